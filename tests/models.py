@@ -1,0 +1,117 @@
+"""Tiny models, deterministic data and the single-process PyTorch reference loop for parity tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class FrozenLayerMLP(nn.Module):
+    """An MLP whose middle layer is frozen: it must receive no gradient sync and no optimizer state."""
+
+    def __init__(self, width: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, width)
+        self.frozen = nn.Linear(width, width)
+        self.out = nn.Linear(width, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        hidden = torch.tanh(self.frozen(torch.tanh(self.inp(x))))
+        return nn.functional.mse_loss(self.out(hidden).float(), y.float())
+
+
+def make_mlp(seed: int = 0) -> FrozenLayerMLP:
+    torch.manual_seed(seed)
+    return FrozenLayerMLP()
+
+
+def mlp_param_groups(model: FrozenLayerMLP) -> list[dict]:
+    """Two groups with their own hyperparameters; the frozen layer is omitted entirely."""
+    return [
+        {"params": list(model.inp.parameters()), "lr": 0.02, "weight_decay": 0.1},
+        {"params": list(model.out.parameters()), "lr": 0.005, "weight_decay": 0.0},
+    ]
+
+
+def mlp_batch(step: int, micro: int, rows: int) -> dict:
+    generator = torch.Generator().manual_seed(1000 + 31 * step + micro)
+    return {"x": torch.randn(rows, 8, generator=generator), "y": torch.randn(rows, 4, generator=generator)}
+
+
+def make_gpt2(seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    return GPT2LMHeadModel(config)
+
+
+def gpt2_batch(step: int, micro: int, rows: int, seq: int = 16) -> dict:
+    generator = torch.Generator().manual_seed(5000 + 31 * step + micro)
+    ids = torch.randint(0, 96, (rows, seq), generator=generator)
+    return {"input_ids": ids, "labels": ids}
+
+
+def loss_of(model: nn.Module, batch: dict) -> torch.Tensor:
+    out = model(**batch)
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def rank_slice(batch: dict, rank: int, world: int) -> dict:
+    """This rank's contiguous share of a global micro-batch."""
+    rows = next(iter(batch.values())).shape[0] // world
+    return {k: v[rank * rows:(rank + 1) * rows] for k, v in batch.items()}
+
+
+@dataclass
+class Trace:
+    losses: list[float]
+    grad_norms: list[float]
+
+
+def reference_run(model: nn.Module, optimizer: torch.optim.Optimizer, batch_fn, *, steps: int, gas: int,
+                  global_rows: int, clip: float) -> Trace:
+    """Single-process PyTorch: the numbers every parallel mode must reproduce."""
+    losses, norms = [], []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(gas):
+            loss = loss_of(model, batch_fn(step, micro, global_rows))
+            (loss / gas).backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(
+            [p for p in model.parameters() if p.grad is not None], clip if clip > 0 else float("inf")).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(total / gas)
+    return Trace(losses, norms)
+
+
+def engine_run(engine, batch_fn, *, steps: int, gas: int, global_rows: int) -> Trace:
+    """The same loop through a zerotune engine; losses averaged over the data-parallel ranks."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    losses, norms = [], []
+    for step in range(steps):
+        total = torch.zeros(())
+        for micro in range(gas):
+            loss = loss_of(engine, rank_slice(batch_fn(step, micro, global_rows), rank, world))
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / gas / world)
+        norms.append(engine.get_global_grad_norm())
+    return Trace(losses, norms)
+
+
+def assert_close_traces(actual: Trace, expected: Trace, rel: float) -> None:
+    for name in ("losses", "grad_norms"):
+        got, want = getattr(actual, name), getattr(expected, name)
+        assert len(got) == len(want)
+        for step, (g, w) in enumerate(zip(got, want)):
+            assert abs(g - w) <= rel * abs(w), f"{name}[{step}]: {g!r} vs reference {w!r} (rel {abs(g - w) / abs(w):.2e})"

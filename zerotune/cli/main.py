@@ -1,0 +1,32 @@
+"""The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zerotune.cli.check import add_check_parser
+from zerotune.cli.run import add_run_parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="zerotune", description=__doc__)
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    add_check_parser(subparsers)
+    add_run_parser(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    if argv and argv[0] == "run":  # everything after "run" belongs to torchrun, unparsed
+        args = argparse.Namespace(func=None, rest=argv[1:])
+        from zerotune.cli.run import run_launch
+        return run_launch(args)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

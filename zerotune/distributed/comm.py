@@ -1,0 +1,162 @@
+"""THE collective layer: every collective zerotune issues goes through these functions.
+
+Two reasons to route everything here:
+
+* accounting -- each call adds the bytes this rank hands to the collective to a per-op
+  counter, so tests and benchmarks can check the per-step volume against theory
+  (read with ``comm_stats()``, reset with ``reset_comm_stats()``);
+* failure reporting -- a collective that fails or times out (a dead or diverging rank) is
+  re-raised as ``CommError`` naming the op, this rank and the group size, instead of a bare
+  gloo/NCCL message from deep inside.
+
+A group of ``None`` from ``ProcessMesh.group`` means an axis of size 1: nothing to do.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+ReduceOp = dist.ReduceOp
+
+
+class CommError(RuntimeError):
+    """A collective failed or timed out; the message says which one and on which rank."""
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+
+
+_stats: dict[str, OpStats] = defaultdict(OpStats)
+
+
+def comm_stats() -> dict[str, OpStats]:
+    """Per-op counters since the last reset: {"all_reduce": OpStats(calls, bytes), ...}."""
+    return {op: OpStats(s.calls, s.bytes) for op, s in _stats.items()}
+
+
+def total_comm_bytes() -> int:
+    return sum(s.bytes for s in _stats.values())
+
+
+def reset_comm_stats() -> None:
+    _stats.clear()
+
+
+def _group_size(group: dist.ProcessGroup | None) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _describe_failure(op: str, group: dist.ProcessGroup | None, error: Exception) -> CommError:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return CommError(
+        f"{op} failed on global rank {rank} (group of {_group_size(group)} ranks): {error}. "
+        "Another rank probably died, timed out or issued a different collective; see its log."
+    )
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` re-raises failures as CommError."""
+
+    def __init__(self, op: str, group: dist.ProcessGroup | None, work: dist.Work | None,
+                 on_done: Callable[[], None] | None = None) -> None:
+        self._op, self._group, self._work, self._on_done = op, group, work, on_done
+
+    def wait(self) -> None:
+        if self._work is not None:
+            try:
+                self._work.wait()
+            except Exception as error:  # noqa: BLE001 - re-raised with context
+                raise _describe_failure(self._op, self._group, error) from error
+            self._work = None
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
+
+
+def _run(op: str, group: dist.ProcessGroup | None, nbytes: int, launch: Callable[[], dist.Work | None],
+         async_op: bool) -> Handle:
+    stats = _stats[op]
+    stats.calls += 1
+    stats.bytes += nbytes
+    try:
+        work = launch()
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise _describe_failure(op, group, error) from error
+    handle = Handle(op, group, work)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=ReduceOp.SUM,
+               async_op: bool = False) -> Handle:
+    """In-place all-reduce of ``tensor`` over ``group``."""
+    if group is None:
+        return Handle("all_reduce", None, None)
+    return _run("all_reduce", group, _nbytes(tensor),
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+
+
+def broadcast(tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup | None,
+              async_op: bool = False) -> Handle:
+    """Broadcast from the rank with index ``src_rank_in_group`` inside ``group``."""
+    if group is None:
+        return Handle("broadcast", None, None)
+    return _run("broadcast", group, _nbytes(tensor),
+                lambda: dist.broadcast(tensor, group_src=src_rank_in_group, group=group, async_op=async_op),
+                async_op)
+
+
+def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
+                          op=ReduceOp.SUM, async_op: bool = False) -> Handle:
+    """Reduce ``input`` (group size x output numel) and keep this rank's chunk in ``output``."""
+    if group is None:
+        output.copy_(input)
+        return Handle("reduce_scatter", None, None)
+    return _run("reduce_scatter", group, _nbytes(input),
+                lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op),
+                async_op)
+
+
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
+                           async_op: bool = False) -> Handle:
+    """Gather every rank's ``input`` into the flat ``output`` (rank order)."""
+    if group is None:
+        output.copy_(input)
+        return Handle("all_gather", None, None)
+    return _run("all_gather", group, _nbytes(input),
+                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+
+
+def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:
+    """Small Python objects from every rank (configs, shapes, checks); not counted as tensor traffic."""
+    if group is None:
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    try:
+        dist.all_gather_object(gathered, obj, group=group)
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise _describe_failure("all_gather_object", group, error) from error
+    return gathered
+
+
+def barrier(group: dist.ProcessGroup | None = None) -> None:
+    """Wait for every rank of ``group`` (default: the whole world)."""
+    if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
+        return
+    try:
+        dist.barrier(group=group)
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise _describe_failure("barrier", group, error) from error

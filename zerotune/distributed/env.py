@@ -1,0 +1,158 @@
+"""Who am I, how many of us, and on which device: the process-level distributed environment.
+
+zerotune never manages processes itself. Launchers (torchrun, SLURM's srun, OpenMPI's mpirun)
+start the ranks; this module reads what they put in the environment, picks the device and the
+backend (NCCL with CUDA, gloo otherwise) and initializes torch.distributed once.
+
+A script started with plain ``python`` is a world of one: it still gets a real (single-member)
+process group, so world size 1 runs exactly the same code as world size 64.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("ZEROTUNE_DIST_TIMEOUT_S", 1800)))
+DEFAULT_PORT = 29500
+
+
+class DistributedSetupError(RuntimeError):
+    """The launcher's environment is incomplete or contradictory."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """The facts about this process that every component needs."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+def _int_env(name: str) -> int | None:
+    value = os.environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise DistributedSetupError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """First host name of a SLURM node list such as ``node[03-05,9],gpu1`` -> ``node03``."""
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
+    if not match:
+        raise DistributedSetupError(f"cannot parse SLURM_NODELIST={nodelist!r}")
+    prefix, ranges = match.group(1), match.group(2)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+def _launcher_ranks() -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) from torchrun, SLURM or OpenMPI variables, or None."""
+    for rank_var, world_var, local_var in (
+        ("RANK", "WORLD_SIZE", "LOCAL_RANK"),
+        ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
+        ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ):
+        rank, world = _int_env(rank_var), _int_env(world_var)
+        if rank is None and world is None:
+            continue
+        if rank is None or world is None:
+            missing = rank_var if rank is None else world_var
+            raise DistributedSetupError(f"{missing} is not set although its launcher's other variables are")
+        if not 0 <= rank < world:
+            raise DistributedSetupError(f"{rank_var}={rank} is outside [0, {world_var}={world})")
+        local = _int_env(local_var)
+        return rank, world, rank if local is None else local
+    return None
+
+
+def _ensure_rendezvous_address() -> None:
+    """MASTER_ADDR/PORT for launchers that do not set them (SLURM) -- torchrun always does."""
+    if "MASTER_ADDR" not in os.environ:
+        nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+        if not nodelist:
+            raise DistributedSetupError(
+                "MASTER_ADDR is not set: export it (the address of rank 0) or launch with torchrun"
+            )
+        os.environ["MASTER_ADDR"] = first_slurm_host(nodelist)
+    os.environ.setdefault("MASTER_PORT", str(DEFAULT_PORT))
+
+
+def _pick_device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        return device
+    return torch.device("cpu")
+
+
+def current_env() -> DistEnv:
+    """The environment of an already initialized process group."""
+    if not dist.is_initialized():
+        raise DistributedSetupError("torch.distributed is not initialized: call zerotune.init_distributed() first")
+    local_rank = _int_env("LOCAL_RANK")
+    if local_rank is None:
+        local_rank = _int_env("OMPI_COMM_WORLD_LOCAL_RANK") or _int_env("SLURM_LOCALID") or 0
+    backend = dist.get_backend()
+    device = _pick_device(local_rank) if backend == "nccl" else torch.device("cpu")
+    return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = DEFAULT_PORT,
+    verbose: bool = True,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    init_method: str | None = None,
+    dist_init_required: bool | None = None,
+    config: object | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> DistEnv:
+    """Initialize torch.distributed from the launcher's environment (DeepSpeed's signature).
+
+    Reuses an existing default process group. With no launcher variables at all, starts a
+    world of one in-process (no ports, no launcher). ``timeout`` bounds every collective, so a
+    dead rank turns into an error instead of a silent hang.
+    """
+    del auto_mpi_discovery, verbose, config  # accepted for DeepSpeed compatibility
+    if dist.is_initialized():
+        return current_env()
+    if dist_init_required is False:
+        raise DistributedSetupError("dist_init_required=False but torch.distributed is not initialized")
+    if rank >= 0 and world_size > 0:
+        launched = (rank, world_size, _int_env("LOCAL_RANK") or 0)
+    else:
+        launched = _launcher_ranks()
+    if launched is None:
+        backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        device = _pick_device(0)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return DistEnv(0, 1, 0, device, backend)
+    rank, world_size, local_rank = launched
+    device = _pick_device(local_rank)
+    backend = dist_backend or ("nccl" if device.type == "cuda" else "gloo")
+    if init_method is None:
+        os.environ.setdefault("MASTER_PORT", str(distributed_port))
+        _ensure_rendezvous_address()
+        init_method = "env://"
+    for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", local_rank)):
+        os.environ.setdefault(name, str(value))
+    dist.init_process_group(
+        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
+        **({"device_id": device} if device.type == "cuda" else {}),
+    )
+    return DistEnv(rank, world_size, local_rank, device, backend)

@@ -1,0 +1,89 @@
+"""How the world's ranks are arranged into parallel axes.
+
+``ParallelDims`` is pure arithmetic (testable without processes); ``build_mesh`` turns it into a
+``torch.distributed.DeviceMesh`` with named axes in DeepSpeed's/Megatron's rank layout:
+pipeline outermost, then data, tensor innermost (consecutive ranks share a tensor-parallel group).
+
+Components receive the mesh (or one axis of it) explicitly; nothing keeps process groups in
+module globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("pp", "dp", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Sizes of the pipeline, data and tensor axes; their product is the world size."""
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            size = getattr(self, axis)
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"parallel size {axis}={size!r} must be a positive integer")
+
+    @classmethod
+    def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> ParallelDims:
+        """Data-parallel size is whatever the model-parallel axes leave over."""
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp}"
+            )
+        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+    def shape(self) -> tuple[int, ...]:
+        return tuple(getattr(self, axis) for axis in AXES)
+
+
+class ProcessMesh:
+    """A DeviceMesh over the axes that have more than one rank, answering for all axes.
+
+    Axes of size 1 are left out of the DeviceMesh (creating a process group per rank for them
+    would be pure overhead); asking for such an axis gives size 1, rank 0 and group ``None``,
+    which the comm layer treats as "nothing to communicate". The data-parallel axis is always
+    present so world size 1 still goes through a real process group.
+    """
+
+    def __init__(self, dims: ParallelDims, device_type: str) -> None:
+        if dims.world_size != dist.get_world_size():
+            raise ValueError(
+                f"parallel sizes pp={dims.pp} x dp={dims.dp} x tp={dims.tp} = {dims.world_size} "
+                f"do not match the world size {dist.get_world_size()}"
+            )
+        self.dims = dims
+        names = tuple(axis for axis in AXES if getattr(dims, axis) > 1 or axis == "dp")
+        shape = tuple(getattr(dims, axis) for axis in names)
+        self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        self._names = names
+
+    def size(self, axis: str) -> int:
+        return getattr(self.dims, axis)
+
+    def rank(self, axis: str) -> int:
+        if axis not in self._names:
+            return 0
+        return self.device_mesh.get_local_rank(axis)
+
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        if axis not in self._names:
+            return None
+        return self.device_mesh.get_group(axis)
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> ProcessMesh:
+    """The mesh every component receives; ``device_type`` is "cuda" or "cpu"."""
+    return ProcessMesh(dims, device_type)

@@ -1,0 +1,313 @@
+"""The training engine: forward / backward / step, with DeepSpeed's semantics and accessors.
+
+One optimizer step spans ``gradient_accumulation_steps`` micro-steps. Each micro-step the
+script calls ``engine(batch)``, ``engine.backward(loss)`` and ``engine.step()``; only the last
+one (the accumulation boundary) communicates and updates weights. The boundary step:
+
+1. finish the gradient sync (buckets were launched during backward);
+2. one global norm of the fp32 gradients -> fp16 overflow check, unscale and clip in one pass;
+3. optimizer step on the fp32 masters (skipped on overflow), masters rounded into the model;
+4. loss scale, LR schedule, counters and the step report advance.
+
+The engine is assembled by ``zerotune.initialize``; it never reads the config file itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterator
+
+import torch
+
+from zerotune.checkpoint.engine_state import load_engine_checkpoint, save_engine_checkpoint
+from zerotune.distributed.env import DistEnv
+from zerotune.distributed.mesh import ProcessMesh
+from zerotune.monitor.step_report import StepReporter
+from zerotune.monitor.timers import WallClockTimers
+from zerotune.monitor.writers import ScalarWriters
+from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler
+from zerotune.precision.policy import MasterWeights, PrecisionPolicy
+from zerotune.zero.allreduce_sync import AllReduceGradSync
+
+
+def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensors in (nested) inputs to the model's dtype; leave the rest."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cast_floating(v, dtype) for v in value)
+    if isinstance(value, dict):
+        return {k: _cast_floating(v, dtype) for k, v in value.items()}
+    return value
+
+
+def _move_to(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_move_to(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _move_to(v, device) for k, v in value.items()}
+    return value
+
+
+def loss_from_output(output: Any) -> torch.Tensor:
+    """The scalar loss in a model's output: a tensor, ``output.loss`` or ``output["loss"]``."""
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise TypeError(
+        f"train_batch needs the model to return a scalar loss (a 1-element tensor, .loss or ['loss']); "
+        f"it returned {type(output).__name__}"
+    )
+
+
+class Engine(torch.nn.Module):
+    """Wraps a model for data-parallel training; see the module docstring for one step's phases."""
+
+    def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,
+                 policy: PrecisionPolicy, masters: MasterWeights, grad_sync: AllReduceGradSync,
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                 loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
+                 training_dataloader: Any = None) -> None:
+        super().__init__()
+        self.module = module
+        self._config = config
+        self.env = env
+        self.mesh = mesh
+        self.policy = policy
+        self.masters = masters
+        self.grad_sync = grad_sync
+        self.optimizer = optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.param_names = param_names
+        self.training_dataloader = training_dataloader
+        self.timers = WallClockTimers(config.wall_clock_breakdown,
+                                      torch.cuda.synchronize if env.device.type == "cuda" else None)
+        self.monitor = ScalarWriters.from_config(config.tensorboard, config.csv_monitor, config.wandb, rank=env.rank)
+        self.reporter = StepReporter(config.steps_per_print, env.rank, self.monitor, self.timers)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._last_grad_norm: float | None = None
+        self._window_loss: torch.Tensor | None = None
+        self._data_iterator: Iterator | None = None
+        self._epoch = 0
+
+    # ---- DeepSpeed accessors -------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.mesh.size("dp")
+
+    @property
+    def config(self) -> dict:
+        return self._config.to_dict()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    @property
+    def trainable_params(self) -> list[torch.nn.Parameter]:
+        return self.masters.params
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.policy.param_dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.policy.param_dtype == torch.bfloat16
+
+    bf16_enabled = bfloat16_enabled
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self._config.steps_per_print
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global L2 norm of the (unscaled) gradients before clipping, at the last boundary."""
+        return self._last_grad_norm
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary's step was skipped for an fp16 overflow."""
+        return self._step_applied
+
+    # ---- one micro-step ------------------------------------------------------------------
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.policy.mixed:
+            args, kwargs = _cast_floating(args, self.policy.param_dtype), _cast_floating(kwargs, self.policy.param_dtype)
+        with self.timers("forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss / GAS * loss_scale``; gradients accumulate in fp32 buckets."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
+        detached = loss.detach().float()
+        self._window_loss = detached if self._window_loss is None else self._window_loss + detached
+        scale = self.loss_scaler.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
+        self.grad_sync.begin_micro_step(self.is_gradient_accumulation_boundary())
+        with self.timers("backward"):
+            (loss.float() * scale).backward(retain_graph=retain_graph)
+        return loss
+
+    def step(self, lr_kwargs: dict | None = None) -> None:
+        """Act at the accumulation boundary; a no-op (besides counting) on other micro-steps."""
+        if self.is_gradient_accumulation_boundary():
+            with self.timers("reduce"):
+                self.grad_sync.finish()
+            with self.timers("step"):
+                self._take_model_step(lr_kwargs or {})
+        self.micro_steps += 1
+
+    def _take_model_step(self, lr_kwargs: dict) -> None:
+        grads = [self.grad_sync.grad_of(p) for p in self.masters.params]
+        scale = self.loss_scaler.loss_scale
+        scaled_norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
+        overflow = not math.isfinite(scaled_norm)
+        if overflow:
+            self._last_grad_norm = scaled_norm
+            if self.loss_scaler.dynamic and self.loss_scaler.at_minimum:
+                raise LossScaleError(
+                    f"fp16 gradient overflow at the minimum loss scale {scale:g}; the first parameter with an "
+                    f"inf/nan gradient is '{self._first_nonfinite_param()}'. Lower the learning rate, use bf16, "
+                    "or lower zero_optimization/fp16.min_loss_scale"
+                )
+            self.skipped_steps += 1
+        else:
+            norm = scaled_norm / scale
+            self._last_grad_norm = norm
+            coefficient = 1.0 / scale
+            clip = self._config.gradient_clipping
+            if clip > 0:
+                coefficient *= min(1.0, clip / (norm + 1e-6))
+            if coefficient != 1.0:
+                torch._foreach_mul_(grads, coefficient)
+            for param, grad in zip(self.masters.params, grads):
+                self.masters.master_of(param).grad = grad
+            self.optimizer.step()
+            self.masters.copy_to_model()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        self.loss_scaler.update_scale(overflow)
+        self._step_applied = not overflow
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        self._report(overflow)
+        self.zero_grad()
+
+    def _first_nonfinite_param(self) -> str:
+        for param in self.masters.params:
+            if not torch.isfinite(self.grad_sync.grad_of(param)).all():
+                return self.param_names.get(id(param), "<unnamed>")
+        return "<none found>"
+
+    def _report(self, overflow: bool) -> None:
+        loss = None
+        if self._window_loss is not None:
+            loss = self._window_loss.item() / self.gradient_accumulation_steps()
+            self._window_loss = None
+        lrs = self.get_lr()
+        self.reporter.record(step=self.global_steps, loss=loss, lr=lrs[0] if lrs else 0.0,
+                             grad_norm=self._last_grad_norm, skipped=overflow,
+                             loss_scale=self.loss_scaler.loss_scale if self.fp16_enabled() else None,
+                             samples=self.train_batch_size())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (the fp32 buckets and any ``.grad`` left on parameters or masters)."""
+        del set_to_none
+        self.grad_sync.zero_grad()
+        for master in self.masters.masters:
+            master.grad = None
+
+    # ---- whole batches -------------------------------------------------------------------
+    def _next_default_batch(self) -> Any:
+        if self.training_dataloader is None:
+            raise ValueError("train_batch() without data_iter needs initialize(training_data=...)")
+        while True:
+            if self._data_iterator is None:
+                sampler = getattr(self.training_dataloader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(self._epoch)
+                self._data_iterator = iter(self.training_dataloader)
+            try:
+                return next(self._data_iterator)
+            except StopIteration:
+                self._data_iterator = None
+                self._epoch += 1
+
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """Run one full optimizer step (GAS micro-batches) and return the mean loss."""
+        total = torch.zeros((), device=self.device)
+        for _ in range(self.gradient_accumulation_steps()):
+            batch = _move_to(next(data_iter) if data_iter is not None else self._next_default_batch(), self.device)
+            if isinstance(batch, dict):
+                output = self(**batch)
+            elif isinstance(batch, (list, tuple)):
+                output = self(*batch)
+            else:
+                output = self(batch)
+            loss = loss_from_output(output)
+            self.backward(loss)
+            self.step()
+            total += loss.detach().float()
+        return total / self.gradient_accumulation_steps()
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> bool:
+        save_engine_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        return load_engine_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states,
+                                      load_module_only=load_module_only)
+
+    def destroy(self) -> None:
+        """Release hooks and writers (DeepSpeed's ``engine.destroy()``)."""
+        self.grad_sync.remove_hooks()
+        self.monitor.close()

@@ -1,0 +1,215 @@
+"""``zerotune.initialize``: the one place that reads the whole config and wires the parts.
+
+The order is fixed and visible:
+config -> distributed env -> mesh -> resolved config ("auto", batch triple) -> model on its
+device with rank 0's weights -> fp32 masters -> model cast to its dtype -> gradient sync
+-> optimizer (on the masters) -> LR scaling -> LR scheduler -> dataloader -> Engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, Iterable
+
+import torch
+from torch.utils.data import DataLoader, DistributedSampler
+
+from zerotune.config import ConfigError, assert_implemented, load_config, resolve_config
+from zerotune.distributed import comm
+from zerotune.distributed.env import init_distributed
+from zerotune.distributed.mesh import ParallelDims, ProcessMesh, build_mesh
+from zerotune.engine import Engine
+from zerotune.monitor.logging import log_rank0
+from zerotune.optim import apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults
+from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
+from zerotune.precision.policy import MasterWeights, policy_from_flags
+from zerotune.zero.allreduce_sync import AllReduceGradSync
+
+IMPLEMENTED_ZERO_STAGES = (0,)
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add DeepSpeed's command-line flags (and zerotune's own name for the config flag)."""
+    group = parser.add_argument_group("zerotune", "zerotune / DeepSpeed configuration")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="enable the engine (accepted for DeepSpeed compatibility)")
+    group.add_argument("--deepspeed_config", "--zerotune_config", dest="deepspeed_config", default=None, type=str,
+                       help="path to the DeepSpeed-style JSON/YAML config")
+    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
+    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
+    return parser
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    from_args = None
+    if args is not None:
+        from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    given = [source for source in (config, config_params) if source is not None]
+    if config is not None and config_params is not None:
+        raise ConfigError("", "pass the config once: both config= and config_params= were given")
+    if from_args is not None and given:
+        raise ConfigError("", f"two configs given: --deepspeed_config {from_args} and config= in initialize(); keep one")
+    source = from_args if from_args is not None else (given[0] if given else None)
+    if source is None:
+        raise ConfigError("", "no config: pass config= (dict or JSON/YAML path) or args with --deepspeed_config")
+    return source
+
+
+def _auto_values(raw: Any, model: torch.nn.Module) -> dict[str, Any]:
+    """Values for HF-style "auto" keys that initialize can derive from the model and optimizer."""
+    values: dict[str, Any] = {}
+    if raw.optimizer is not None:
+        try:
+            defaults = optimizer_defaults(raw.optimizer.type)
+        except ValueError:
+            defaults = {}
+        values.update({f"optimizer.params.{key}": value for key, value in defaults.items()})
+        lr = raw.optimizer.params.get("lr", defaults.get("lr"))
+        if isinstance(lr, (int, float)):
+            values["scheduler.params.warmup_max_lr"] = lr
+            values["scheduler.params.cycle_max_lr"] = lr
+    values["scheduler.params.warmup_min_lr"] = 0.0
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if isinstance(hidden, int):
+        values["zero_optimization.reduce_bucket_size"] = hidden * hidden
+        values["zero_optimization.stage3_prefetch_bucket_size"] = int(0.9 * hidden * hidden)
+        values["zero_optimization.stage3_param_persistence_threshold"] = 10 * hidden
+    return values
+
+
+def _param_groups(model: torch.nn.Module, optimizer: Any, model_parameters: Any) -> list[dict]:
+    """Parameter groups as dicts; ``model_parameters`` may be tensors or dicts with their own hyperparameters."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [dict(group) for group in optimizer.param_groups]
+    if model_parameters is None:
+        return [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    items = list(model_parameters)
+    if items and all(isinstance(item, dict) for item in items):
+        return [{**item, "params": list(item["params"])} for item in items]
+    if all(isinstance(item, torch.Tensor) for item in items):
+        return [{"params": items}]
+    raise TypeError("model_parameters must be an iterable of parameters or of param-group dicts")
+
+
+def _trainable_in_model_order(model: torch.nn.Module, groups: list[dict]) -> list[torch.nn.Parameter]:
+    in_model = {id(p) for p in model.parameters()}
+    chosen = {id(p) for group in groups for p in group["params"] if p.requires_grad}
+    stray = chosen - in_model
+    if stray:
+        raise ValueError(f"{len(stray)} optimizer parameter(s) do not belong to the model passed to initialize()")
+    return [p for p in model.parameters() if id(p) in chosen]
+
+
+def _broadcast_from_rank0(model: torch.nn.Module, mesh: ProcessMesh) -> None:
+    """Start every data-parallel replica from rank 0's weights and buffers."""
+    group = mesh.group("dp")
+    with torch.no_grad():
+        for tensor in model.state_dict(keep_vars=True).values():
+            comm.broadcast(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, 0, group)
+
+
+def _build_optimizer(raw_optimizer: Any, client: Any, groups: list[dict], masters: MasterWeights,
+                     trainable: set[int]) -> torch.optim.Optimizer | None:
+    master_groups = [{**group, "params": [masters.master_of(p) for p in group["params"] if id(p) in trainable]}
+                     for group in groups]
+    if client is not None and raw_optimizer is not None:
+        raise ConfigError("optimizer", "an optimizer was passed to initialize() and the config has an 'optimizer' "
+                                       "block; keep one of them")
+    if isinstance(client, torch.optim.Optimizer):
+        if client.state:
+            raise ValueError("the client optimizer already holds state; pass a fresh one (load state via load_checkpoint)")
+        for group, master_group in zip(client.param_groups, master_groups):
+            group["params"] = master_group["params"]
+        return client
+    if callable(client):
+        return client(master_groups)
+    if raw_optimizer is not None:
+        return build_optimizer(raw_optimizer.type, raw_optimizer.params, master_groups)
+    return None
+
+
+def _build_scheduler(raw_scheduler: Any, client: Any, optimizer: torch.optim.Optimizer | None) -> Any:
+    if client is not None and raw_scheduler is not None:
+        raise ConfigError("scheduler", "an lr_scheduler was passed to initialize() and the config has a "
+                                       "'scheduler' block; keep one of them")
+    if client is not None:
+        return client if hasattr(client, "step") else client(optimizer)
+    if raw_scheduler is not None:
+        if optimizer is None:
+            raise ConfigError("scheduler", "a scheduler needs an optimizer (config 'optimizer' block or optimizer=)")
+        return build_scheduler(raw_scheduler.type, raw_scheduler.params, optimizer)
+    return None
+
+
+def _dataloader(training_data: Any, mesh: ProcessMesh, micro_batch: int, collate_fn: Callable | None,
+                drop_last: bool) -> DataLoader | None:
+    if training_data is None:
+        return None
+    sampler = DistributedSampler(training_data, num_replicas=mesh.size("dp"), rank=mesh.rank("dp"))
+    return DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
+                      drop_last=drop_last)
+
+
+def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
+               model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
+               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Callable | None = None,
+               config: Any = None, config_params: Any = None) -> tuple[Engine, Any, Any, Any]:
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if mpu is not None:
+        raise ConfigError("mpu", "a Megatron mpu is not supported yet (tensor parallelism lands in a later release)")
+    raw = load_config(_config_source(args, config, config_params))
+    env = init_distributed(dist_init_required=dist_init_required)
+    mesh = build_mesh(ParallelDims.from_world(env.world_size), env.device.type)
+    cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=_auto_values(raw, model))
+    assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
+    policy = policy_from_flags(fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled)
+
+    model.to(env.device)
+    _broadcast_from_rank0(model, mesh)
+    groups = _param_groups(model, optimizer, model_parameters)
+    trainable = _trainable_in_model_order(model, groups)
+    omitted = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in {id(t) for t in trainable}]
+    if omitted:
+        log_rank0("%d parameter(s) require grad but are in no optimizer group and will not be trained (e.g. %s); "
+                  "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=env.rank)
+    masters = MasterWeights(trainable, policy)  # fp32 copies taken before the cast: no rounding of masters
+    model.to(policy.param_dtype)
+    grad_sync = AllReduceGradSync(trainable, mesh.group("dp"), bucket_numel=int(cfg.zero_optimization.reduce_bucket_size),
+                                  device=env.device, predivide_factor=_predivide_factor(cfg, mesh))
+    torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, groups, masters,
+                                       {id(p) for p in trainable})
+    if cfg.lr_scaling is not None and torch_optimizer is not None:
+        factor = apply_lr_scaling(torch_optimizer, cfg.lr_scaling.rule, cfg.train_batch_size,
+                                  cfg.lr_scaling.base_batch_size)
+        log_rank0("lr_scaling: %s rule x%g (train_batch_size %d / base_batch_size %d), lr now %s",
+                  cfg.lr_scaling.rule, factor, cfg.train_batch_size, cfg.lr_scaling.base_batch_size,
+                  [g["lr"] for g in torch_optimizer.param_groups], rank=env.rank)
+    scheduler = _build_scheduler(cfg.scheduler, lr_scheduler, torch_optimizer)
+    engine = Engine(module=model, config=cfg, env=env, mesh=mesh, policy=policy, masters=masters,
+                    grad_sync=grad_sync, optimizer=torch_optimizer, lr_scheduler=scheduler,
+                    loss_scaler=_loss_scaler(cfg), param_names={id(p): n for n, p in model.named_parameters()},
+                    training_dataloader=_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu,
+                                                    collate_fn, cfg.dataloader_drop_last))
+    log_rank0("zerotune engine: world %d (dp %d), ZeRO stage %d, %s, micro-batch %d x GAS %d = batch %d",
+              env.world_size, mesh.size("dp"), cfg.zero_optimization.stage, policy.name,
+              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _predivide_factor(cfg: Any, mesh: ProcessMesh) -> float:
+    if cfg.prescale_gradients:
+        return float(mesh.size("dp"))
+    return float(cfg.gradient_predivide_factor)
+
+
+def _loss_scaler(cfg: Any) -> StaticLossScaler | DynamicLossScaler:
+    fp16 = cfg.fp16
+    if not fp16.enabled:
+        return StaticLossScaler(1.0)
+    if fp16.loss_scale > 0:
+        return StaticLossScaler(float(fp16.loss_scale))
+    return DynamicLossScaler.from_config(initial_scale_power=fp16.initial_scale_power,
+                                         loss_scale_window=fp16.loss_scale_window, min_loss_scale=fp16.min_loss_scale,
+                                         hysteresis=fp16.hysteresis, consecutive_hysteresis=fp16.consecutive_hysteresis)

@@ -1,0 +1,39 @@
+"""The "zerotune" logger and a rank-0 helper.
+
+Every rank runs the same code, so an unguarded ``logger.info`` prints N copies of each
+line; ``log_rank0`` keeps the console readable by letting only rank 0 speak.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+LOGGER_NAME = "zerotune"
+_FORMAT = "[zerotune] %(asctime)s %(message)s"
+_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def get_logger() -> logging.Logger:
+    """Return the "zerotune" logger, installing its console handler on first use.
+
+    The handler is installed once (marked by an attribute) so repeated calls and
+    re-imports never duplicate lines. ``propagate`` is off, as in DeepSpeed and
+    transformers, so an application that configures the root logger does not print
+    every line twice; tests that use ``caplog`` attach ``caplog.handler`` to this logger.
+    """
+    logger = logging.getLogger(LOGGER_NAME)
+    if not getattr(logger, "_zerotune_configured", False):
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+        logger._zerotune_configured = True  # type: ignore[attr-defined]
+    return logger
+
+
+def log_rank0(msg: str, *args: object, rank: int) -> None:
+    """Log ``msg % args`` at INFO level, but only on rank 0 (formatting is skipped elsewhere)."""
+    if rank == 0:
+        get_logger().info(msg, *args, stacklevel=2)

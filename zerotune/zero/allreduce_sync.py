@@ -1,0 +1,86 @@
+"""ZeRO stage 0 gradient sync: plain data parallel, bucketed all-reduce overlapped with backward.
+
+Where gradients live and in what dtype: autograd writes each parameter's gradient into
+``param.grad`` in the parameter's own dtype (fp32, bf16 or fp16); a post-accumulate hook adds it
+into an **fp32** flat bucket buffer and drops ``param.grad`` at once. Accumulation over
+micro-steps therefore happens in fp32 whatever the model dtype, and a bf16/fp16 model holds no
+full-size gradient of its own between micro-steps.
+
+Only the last micro-step of an accumulation window (the boundary) communicates: as each bucket
+fills up during that backward, its all-reduce is launched asynchronously, so communication
+overlaps the rest of backward. ``finish()`` launches what never filled (parameters that got no
+gradient), waits, and rescales the sums to means.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotune.distributed import comm
+from zerotune.distributed.buckets import Bucket, GradientBuckets
+
+
+class AllReduceGradSync:
+    """Keeps the data-parallel replicas' gradients identical (and averaged) at every boundary."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, *,
+                 bucket_numel: int, device: torch.device, predivide_factor: float = 1.0) -> None:
+        self.params = list(params)
+        self.group = group
+        world = 1 if group is None else dist.get_world_size(group)
+        # Sum(g / pre) * pre / world == mean(g); pre > 1 keeps fp16/bf16 sums in range.
+        self.pre_factor = float(predivide_factor)
+        self.post_factor = self.pre_factor / world
+        self.buckets = GradientBuckets.build(self.params, bucket_numel, torch.float32, device, self._launch)
+        self._handles: list[comm.Handle] = []
+        self._communicating = False
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Call before each backward: only the boundary micro-step communicates."""
+        self._communicating = is_boundary
+        if is_boundary:
+            self.buckets.start_round()
+            self._handles = []
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        self.buckets.view_of(param).add_(param.grad)
+        param.grad = None
+        if self._communicating:
+            self.buckets.mark_ready(param)
+
+    def _launch(self, bucket: Bucket) -> None:
+        if self.pre_factor != 1.0:
+            bucket.buffer.div_(self.pre_factor)
+        self._handles.append(comm.all_reduce(bucket.buffer, self.group, async_op=True))
+
+    def finish(self) -> None:
+        """Complete the boundary's communication; afterwards every bucket holds the mean gradient."""
+        self.buckets.launch_remaining()
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        self._communicating = False
+        if self.post_factor != 1.0:
+            for bucket in self.buckets.buckets:
+                bucket.buffer.mul_(self.post_factor)
+
+    def grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """The fp32 gradient of ``param`` (a view into its bucket)."""
+        return self.buckets.view_of(param)
+
+    def zero_grad(self) -> None:
+        self.buckets.zero_()
+        for p in self.params:
+            p.grad = None
+
+    def buffer_bytes(self) -> int:
+        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets.buckets)
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
