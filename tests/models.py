@@ -46,7 +46,7 @@ def make_gpt2(seed: int = 0):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, resid_pdrop=0.0,
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0,
                         embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     return GPT2LMHeadModel(config)
 

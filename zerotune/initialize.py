@@ -20,7 +20,7 @@ from zerotune.distributed.env import init_distributed
 from zerotune.distributed.mesh import ParallelDims, ProcessMesh, build_mesh
 from zerotune.engine import Engine
 from zerotune.monitor.logging import log_rank0
-from zerotune.optim import apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults
+from zerotune.optim import apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import MasterWeights, policy_from_flags
 from zerotune.zero.allreduce_sync import AllReduceGradSync
@@ -186,6 +186,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         log_rank0("lr_scaling: %s rule x%g (train_batch_size %d / base_batch_size %d), lr now %s",
                   cfg.lr_scaling.rule, factor, cfg.train_batch_size, cfg.lr_scaling.base_batch_size,
                   [g["lr"] for g in torch_optimizer.param_groups], rank=env.rank)
+        if cfg.scheduler is not None:  # absolute lrs in the schedule scale alike
+            cfg.scheduler.params = scale_schedule_lrs(cfg.scheduler.params, factor)
     scheduler = _build_scheduler(cfg.scheduler, lr_scheduler, torch_optimizer)
     engine = Engine(module=model, config=cfg, env=env, mesh=mesh, policy=policy, masters=masters,
                     grad_sync=grad_sync, optimizer=torch_optimizer, lr_scheduler=scheduler,

@@ -25,7 +25,11 @@ def main(argv: list[str] | None = None) -> int:
         from zerotune.cli.run import run_launch
         return run_launch(args)
     args = parser.parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # output piped into `head` and friends
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,122 @@
+"""Checkpoints: resume in a fresh process group continues bit-identically; writes are atomic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import zerotune
+from tests.harness import run_distributed, shutdown_pools
+from tests.models import gpt2_batch, loss_of, make_gpt2, rank_slice
+from zerotune.checkpoint.atomic import CheckpointError, prepare_partial_dir
+
+TOTAL, SAVE_AT, GAS = 6, 3, 2
+
+
+def _config(precision: str) -> dict:
+    config = {
+        "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}},
+        "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 2, "total_num_steps": 20}},
+        "steps_per_print": 100,
+    }
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def _dropout_gpt2(seed: int = 0):
+    model = make_gpt2(seed)
+    for module in model.modules():  # dropout on: resume must restore the RNG streams
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.1
+    return model
+
+
+def _train(engine, first: int, last: int) -> list[tuple[float, float]]:
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    trace = []
+    for step in range(first, last):
+        for micro in range(GAS):
+            loss = loss_of(engine, rank_slice(gpt2_batch(step, micro, 2 * world), rank, world))
+            engine.backward(loss)
+            engine.step()
+        trace.append((loss.item(), engine.get_global_grad_norm()))
+    return trace
+
+
+def _uninterrupted(save_dir: str, precision: str) -> dict:
+    torch.manual_seed(1234 + torch.distributed.get_rank())
+    engine, *_ = zerotune.initialize(model=_dropout_gpt2(), config=_config(precision))
+    engine.train()
+    trace = _train(engine, 0, SAVE_AT)
+    engine.save_checkpoint(save_dir, client_state={"note": "midway"})
+    trace += _train(engine, SAVE_AT, TOTAL)
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.destroy()
+    return {"trace": trace, "weights": weights}
+
+
+def _resumed(save_dir: str, precision: str) -> dict:
+    torch.manual_seed(999)  # a different RNG state: the checkpoint must restore it
+    engine, *_ = zerotune.initialize(model=_dropout_gpt2(seed=7), config=_config(precision))
+    engine.train()
+    path, client_state = engine.load_checkpoint(save_dir)
+    steps = engine.global_steps
+    trace = _train(engine, SAVE_AT, TOTAL)
+    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    engine.destroy()
+    return {"trace": trace, "weights": weights, "client_state": client_state, "path": path, "steps": steps}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_in_fresh_process_group_is_bit_identical(tmp_path: Path, precision: str) -> None:
+    full = run_distributed(_uninterrupted, 2, str(tmp_path), precision, timeout=120)
+    shutdown_pools()  # the resumed run gets new processes and a new process group
+    resumed = run_distributed(_resumed, 2, str(tmp_path), precision, timeout=120)
+    for rank in range(2):
+        assert resumed[rank]["client_state"] == {"note": "midway"}
+        assert resumed[rank]["steps"] == SAVE_AT
+        assert resumed[rank]["trace"] == full[rank]["trace"][SAVE_AT:]
+        for name, tensor in full[rank]["weights"].items():
+            assert torch.equal(tensor, resumed[rank]["weights"][name]), name
+    assert (tmp_path / "latest").read_text() == f"global_step{SAVE_AT}"
+    assert not any(p.name.endswith(".partial") for p in tmp_path.iterdir())
+
+
+def _load_missing(save_dir: str, tag: str | None) -> str:
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config("fp32"))
+    try:
+        return repr(engine.load_checkpoint(save_dir, tag=tag))
+    except CheckpointError as error:
+        return str(error)
+    finally:
+        engine.destroy()
+
+
+def test_missing_checkpoint_files_are_named(tmp_path: Path) -> None:
+    assert run_distributed(_load_missing, 2, str(tmp_path), None)[0] == "(None, None)"  # DeepSpeed: no latest
+    assert "does not exist" in run_distributed(_load_missing, 2, str(tmp_path), "nope")[0]
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "model_states.pt").write_bytes(b"truncated")
+    message = run_distributed(_load_missing, 2, str(tmp_path), "broken")[0]
+    assert "model_states.pt" in message and "truncated" in message
+
+
+def _save_twice(save_dir: str) -> list[str]:
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config("fp32"))
+    engine.save_checkpoint(save_dir, tag="same")
+    engine.save_checkpoint(save_dir, tag="same")  # overwriting a tag replaces it whole
+    engine.destroy()
+    return sorted(p.name for p in Path(save_dir).iterdir())
+
+
+def test_stale_partial_save_is_replaced_and_latest_points_to_complete_tag(tmp_path: Path) -> None:
+    prepare_partial_dir(tmp_path, "same")  # as if an earlier save crashed midway
+    (tmp_path / ".same.partial" / "junk").write_text("x")
+    names = run_distributed(_save_twice, 2, str(tmp_path))[0]
+    assert names == ["latest", "same"]
+    assert sorted(p.name for p in (tmp_path / "same").iterdir()) == [
+        "model_states.pt", "optim_states.pt", "rng_state_rank0.pt", "rng_state_rank1.pt"]

@@ -1,0 +1,35 @@
+"""The config error family.
+
+Every failure while loading or resolving a config is a :class:`ConfigError` (a
+``ValueError``), so callers and the CLI need exactly one ``except`` clause and users
+always see one line naming the offending key.
+"""
+
+from __future__ import annotations
+
+
+class ConfigError(ValueError):
+    """A config value is missing, malformed, inconsistent or unknown.
+
+    ``path`` is the dotted key (``"zero_optimization.stage"``), or ``""`` when the
+    problem concerns the whole config (an unreadable file, a non-mapping top level).
+    """
+
+    def __init__(self, path: str, message: str) -> None:
+        self.path = path
+        self.message = message
+        text = f"zerotune config: {path}: {message}" if path else f"zerotune config: {message}"
+        super().__init__(text)
+
+    def __reduce__(self):
+        # Errors cross process boundaries in multi-rank runs; the default reduce would
+        # call cls(formatted_text) and fail on the two-argument constructor.
+        return (self.__class__, (self.path, self.message))
+
+
+class NotSupportedError(ConfigError):
+    """A DeepSpeed feature zerotune does not model at all (e.g. ``flops_profiler``)."""
+
+
+class NotSupportedYetError(ConfigError):
+    """A modelled feature the engine does not implement yet (e.g. ZeRO stage 3)."""

@@ -1,0 +1,77 @@
+"""Reading a config file (JSON or YAML) into a plain dict.
+
+Every failure names the file; JSON syntax errors also give line and column because
+a misplaced comma in a 60-line ds_config.json is otherwise hard to find.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
+def read_config_file(source: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse ``source`` as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
+    path = Path(source)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError("", f"config file '{path}' does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError("", f"config file '{path}' is a directory, not a file") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError("", f"config file '{path}' is not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    except OSError as exc:
+        raise ConfigError("", f"cannot read config file '{path}': {exc.strerror or exc}") from None
+    data = _parse_yaml(text, path) if path.suffix.lower() in YAML_SUFFIXES else _parse_json(text, path)
+    if not isinstance(data, dict):
+        kind = "empty" if data is None else f"a {type(data).__name__}"
+        raise ConfigError("", f"config file '{path}' must hold a mapping of config keys at the top level, but it is {kind}")
+    return data
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # Like DeepSpeed: a key given twice is almost always a merge accident; json would keep the last silently.
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise _DuplicateKey(key)
+        result[key] = value
+    return result
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _parse_json(text: str, path: Path) -> Any:
+    try:
+        return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except json.JSONDecodeError as exc:
+        raise ConfigError("", f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    except _DuplicateKey as exc:
+        raise ConfigError("", f"config file '{path}' gives the key '{exc.key}' twice") from None
+    except RecursionError:
+        raise ConfigError("", f"config file '{path}' is nested too deeply to be a config") from None
+
+
+def _parse_yaml(text: str, path: Path) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError("", f"config file '{path}' is not valid YAML: {problem}{where}") from None
+    except RecursionError:
+        raise ConfigError("", f"config file '{path}' is nested too deeply to be a config") from None

@@ -1,0 +1,141 @@
+"""``load_config``: dict / JSON / YAML / config object -> validated ZeroTuneConfig.
+
+Loading happens in four passes, each with one job:
+1. read the source into a plain dict (files.py);
+2. walk it against the schema: rename aliases, reject unknown keys with a did-you-mean
+   and DeepSpeed-only blocks with NotSupportedError (pydantic's own "extra forbidden"
+   would name neither the alternative nor the reason);
+3. validate types and ranges with pydantic, translating its errors to one line;
+4. cross-section checks and provenance.
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from .errors import ConfigError, NotSupportedError
+from .files import read_config_file
+from .pydantic_errors import show_value, translate
+from .schema import ZeroTuneConfig
+from .section import Section
+from .tree import is_free_dict, iter_leaves, join, path_in, section_class
+from .types import AUTO
+
+
+def load_config(source: Any) -> ZeroTuneConfig:
+    """Validate ``source`` into a ZeroTuneConfig; "auto" values are kept unresolved.
+
+    Raises ConfigError (NotSupportedError for DeepSpeed features zerotune lacks) for
+    any problem, always naming the key or file.
+    """
+    if isinstance(source, ZeroTuneConfig):
+        return source
+    if isinstance(source, Mapping):
+        raw = _plain_copy(source)
+    elif isinstance(source, (str, os.PathLike)):
+        raw = read_config_file(source)
+    else:
+        raise ConfigError(
+            "", f"expected a dict, a JSON/YAML file path or a ZeroTuneConfig, got {type(source).__name__}"
+        )
+    return config_from_dict(raw)
+
+
+def config_from_dict(raw: dict[str, Any]) -> ZeroTuneConfig:
+    """Passes 2-4 on an already-read dict; provenance marks given keys "file"."""
+    normalized = normalize_keys(raw, ZeroTuneConfig, "")
+    try:
+        cfg = ZeroTuneConfig.model_validate(normalized)
+    except ValidationError as exc:
+        raise translate(exc, normalized) from None
+    except RecursionError:
+        raise ConfigError("", "config is nested too deeply") from None
+    check_cross_section(cfg)
+    cfg._provenance.update(_given_provenance(cfg, normalized))
+    return cfg
+
+
+def _plain_copy(source: Mapping[str, Any]) -> dict[str, Any]:
+    try:
+        return copy.deepcopy(dict(source))
+    except Exception as exc:  # noqa: BLE001 - any uncopyable value is a user input problem
+        raise ConfigError("", f"config dict cannot be copied: {exc}") from None
+
+
+def normalize_keys(raw: Mapping[Any, Any], cls: type[Section], prefix: str) -> dict[str, Any]:
+    """Rename aliases and reject unknown or unsupported keys, recursing into sections."""
+    result: dict[str, Any] = {}
+    for key, value in raw.items():
+        path = join(prefix, _printable(key))
+        if not isinstance(key, str):
+            raise ConfigError(path, f"config keys must be strings, got {type(key).__name__} {show_value(key)}")
+        name = cls.ALIASES.get(key, key)
+        if name in cls.UNSUPPORTED:
+            what = "feature" if not prefix else "option"
+            raise NotSupportedError(path, f"'{key}' is a DeepSpeed {what} zerotune does not support; remove the {'block' if isinstance(value, Mapping) else 'key'}")
+        if name not in cls.model_fields:
+            raise ConfigError(path, _unknown_key_message(key, cls))
+        if name in result:
+            raise ConfigError(path, f"given twice, as '{name}' and its alias; keep one")
+        result[name] = _normalize_value(value, cls.model_fields[name].annotation, path)
+    return result
+
+
+def _printable(key: Any) -> str:
+    """The key as text that keeps an error message on one line (control characters escaped)."""
+    text = str(key)
+    return text if text.isprintable() else json.dumps(text)
+
+
+def _normalize_value(value: Any, annotation: Any, path: str) -> Any:
+    sub = section_class(annotation)
+    if sub is not None and isinstance(value, Mapping):
+        return normalize_keys(value, sub, path)
+    if is_free_dict(annotation) and isinstance(value, Mapping):
+        bad = next((k for k in value if not isinstance(k, str)), None)
+        if bad is not None:
+            raise ConfigError(join(path, _printable(bad)), f"keys must be strings, got {type(bad).__name__}")
+    return value
+
+
+def _unknown_key_message(key: str, cls: type[Section]) -> str:
+    valid = sorted(set(cls.model_fields) | set(cls.ALIASES))
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
+    if close:
+        return f"unknown key; did you mean '{close[0]}'?"
+    return "unknown key; valid keys are: " + ", ".join(valid)
+
+
+def check_cross_section(cfg: ZeroTuneConfig) -> None:
+    """Constraints spanning several keys that a single field cannot express."""
+    if cfg.fp16.enabled is True and cfg.bf16.enabled is True:
+        raise ConfigError("bf16.enabled", "fp16.enabled and bf16.enabled are both true; enable at most one")
+    zero = cfg.zero_optimization
+    for name in ("offload_optimizer", "offload_param"):
+        offload = getattr(zero, name)
+        if offload.device == "nvme" and not offload.nvme_path:
+            raise ConfigError(f"zero_optimization.{name}.nvme_path", "required when device is 'nvme'")
+    if zero.offload_param.device != "none" and isinstance(zero.stage, int) and zero.stage != 3:
+        raise ConfigError(
+            "zero_optimization.offload_param.device",
+            f"parameter offload ('{zero.offload_param.device}') needs zero_optimization.stage 3, got stage {zero.stage}",
+        )
+
+
+def _given_provenance(cfg: ZeroTuneConfig, normalized: Mapping[str, Any]) -> dict[str, str]:
+    provenance: dict[str, str] = {}
+    for path, value in iter_leaves(cfg):
+        if isinstance(value, str) and value == AUTO:
+            provenance[path] = "auto"
+        elif path_in(normalized, path):
+            provenance[path] = "file"
+        else:
+            provenance[path] = "default"
+    return provenance

@@ -1,0 +1,95 @@
+"""``resolve_config``: solve the batch triple and replace "auto" values.
+
+Resolution works on the plain dict and re-validates it, so a value supplied through
+``auto_values`` is checked exactly like one written in the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from .batch import BATCH_KEYS, solve_batch
+from .errors import ConfigError
+from .loading import config_from_dict, load_config
+from .pydantic_errors import show_value
+from .schema import ZeroTuneConfig
+from .tree import NO_DEFAULT, field_default, iter_leaves, set_path
+from .types import AUTO
+
+UNRESOLVED = "'auto' could not be resolved; set a value"
+
+
+def resolve_config(
+    cfg: Any,
+    *,
+    dp_world_size: int,
+    auto_values: Optional[Mapping[str, Any]] = None,
+    strict: bool = True,
+) -> ZeroTuneConfig:
+    """A new config with the batch triple solved and "auto" leaves replaced.
+
+    An "auto" leaf takes ``auto_values[dotted_path]`` if given, else the schema default
+    where one exists; otherwise strict mode raises ConfigError naming the key and
+    non-strict mode (``zerotune check``) leaves it "auto".
+    """
+    cfg = load_config(cfg)
+    if isinstance(dp_world_size, bool) or not isinstance(dp_world_size, int) or dp_world_size < 1:
+        raise ConfigError("", f"dp_world_size must be a positive integer, got {show_value(dp_world_size)}")
+    auto_values = dict(auto_values or {})
+    data = cfg.to_dict()
+    provenance = dict(cfg.provenance)
+
+    for path, value in iter_leaves(cfg):
+        if not _is_auto(value) or path in BATCH_KEYS:
+            continue
+        replacement = auto_values.get(path, field_default(path, ZeroTuneConfig))
+        if replacement is NO_DEFAULT or _is_auto(replacement):
+            if strict:
+                raise ConfigError(path, UNRESOLVED)
+            continue
+        set_path(data, path, replacement)
+        provenance[path] = "auto"
+
+    _resolve_batch(data, provenance, auto_values, dp_world_size, strict)
+    resolved = config_from_dict(data)
+    resolved._provenance.clear()
+    resolved._provenance.update({path: provenance.get(path, "default") for path, _ in iter_leaves(resolved)})
+    return resolved
+
+
+def _resolve_batch(
+    data: dict[str, Any],
+    provenance: dict[str, str],
+    auto_values: Mapping[str, Any],
+    dp_world_size: int,
+    strict: bool,
+) -> None:
+    """Solve the triple in ``data``; autos count as missing unless auto_values gives them."""
+    for key in BATCH_KEYS:
+        if _is_auto(data[key]) and key in auto_values and not _is_auto(auto_values[key]):
+            data[key] = _checked_batch_value(key, auto_values[key])
+            provenance[key] = "auto"
+    members = [None if _is_auto(data[key]) else data[key] for key in BATCH_KEYS]
+    autos = [key for key in BATCH_KEYS if _is_auto(data[key])]
+    if autos and members[0] is None and members[1] is None:
+        # Neither the global nor the micro batch is known: the autos really are unresolved.
+        if strict:
+            raise ConfigError(autos[0], UNRESOLVED)
+        return
+    solved = solve_batch(*members, dp_world_size)
+    for key, value in zip(BATCH_KEYS, solved):
+        if data[key] != value:
+            data[key] = value
+            provenance[key] = "inferred"
+
+
+def _checked_batch_value(key: str, value: Any) -> Any:
+    # Validated again by config_from_dict; this only keeps solve_batch's arithmetic safe.
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(key, f"invalid auto value {show_value(value)}: expected a positive integer")
+    return value
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value == AUTO

@@ -1,0 +1,223 @@
+"""The small DeepSpeed config sections (everything but ZeRO and the top level).
+
+Key names and defaults follow DeepSpeed's config documentation so an existing
+``ds_config.json`` means the same thing here. Free-form ``params`` dicts (optimizer,
+scheduler) are validated later by the builders that know each type's signature.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal, Optional
+
+from pydantic import Field, field_validator
+
+from .section import Section
+from .types import (
+    AutoBool,
+    AutoNonNegFloat,
+    AutoNonNegInt,
+    AutoPosInt,
+    OptAutoPosInt,
+    Str,
+)
+
+
+class OptimizerConfig(Section):
+    """``optimizer``: which optimizer to build and its constructor arguments."""
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"legacy_fusion"})
+
+    type: Str
+    """Optimizer name as DeepSpeed spells it (Adam, AdamW, SGD, ...) or any torch.optim class name."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the optimizer (lr, betas, eps, weight_decay, ...); values may be "auto"."""
+
+
+class SchedulerConfig(Section):
+    """``scheduler``: which learning-rate schedule to build and its arguments."""
+
+    type: Str
+    """Scheduler name as DeepSpeed spells it (WarmupLR, WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest)."""
+    params: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments of the schedule (warmup_num_steps, total_num_steps, ...); values may be "auto"."""
+
+
+class FP16Config(Section):
+    """``fp16``: float16 mixed precision with a dynamic (or static) loss scaler."""
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"fp16_master_weights_and_grads"})
+
+    enabled: AutoBool = False
+    """Train with float16 compute and fp32 master weights."""
+    auto_cast: AutoBool = False
+    """Cast the model inputs to float16 automatically."""
+    loss_scale: AutoNonNegFloat = 0.0
+    """Static loss scale; 0 selects dynamic loss scaling."""
+    initial_scale_power: AutoNonNegInt = 16
+    """Dynamic scaling starts at 2**initial_scale_power."""
+    loss_scale_window: AutoPosInt = 1000
+    """Overflow-free steps after which the dynamic scale is doubled."""
+    hysteresis: AutoPosInt = 2
+    """Overflows tolerated before the dynamic scale is halved."""
+    consecutive_hysteresis: AutoBool = False
+    """Refill the hysteresis budget after every overflow-free step, not only at window ends."""
+    min_loss_scale: AutoNonNegFloat = 1.0
+    """The dynamic scale never drops below this value."""
+
+
+class BF16Config(Section):
+    """``bf16`` (alias ``bfloat16``): bfloat16 mixed precision; needs no loss scaling."""
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
+        {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"}
+    )
+
+    enabled: AutoBool = False
+    """Train with bfloat16 compute and fp32 master weights."""
+
+
+class ActivationCheckpointingConfig(Section):
+    """``activation_checkpointing``: how checkpointed activations are stored."""
+
+    partition_activations: AutoBool = False
+    """Shard checkpointed activations across model-parallel ranks."""
+    cpu_checkpointing: AutoBool = False
+    """Move checkpointed activations to CPU memory (requires partition_activations)."""
+    contiguous_memory_optimization: AutoBool = False
+    """Copy checkpointed activations into one contiguous buffer to avoid fragmentation."""
+    number_checkpoints: OptAutoPosInt = None
+    """Number of checkpoints for the contiguous buffer; None means unknown until the model runs."""
+    synchronize_checkpoint_boundary: AutoBool = False
+    """Synchronize devices at each checkpoint boundary (for debugging and timing)."""
+    profile: AutoBool = False
+    """Log the forward and backward time of each checkpointed function."""
+
+
+class PipelineConfig(Section):
+    """``pipeline``: pipeline-parallel layout."""
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"use_reentrant", "pipe_partitioned", "grad_partitioned"})
+
+    stages: AutoPosInt = 1
+    """Number of pipeline stages; 1 means no pipeline parallelism."""
+    partition: Str = "best"
+    """How layers are split over stages: "parameters", "uniform", "type:REGEX"; DeepSpeed's default "best" means "parameters"."""
+    seed_layers: AutoBool = False
+    """Give each layer its own random seed so stages initialise reproducibly."""
+    activation_checkpoint_interval: AutoNonNegInt = 0
+    """Checkpoint activations every this many layers inside a stage; 0 disables it."""
+    schedule: Literal["1f1b", "gpipe"] = "1f1b"
+    """zerotune extension: micro-batch schedule, one-forward-one-backward or fill-drain (GPipe)."""
+
+    @field_validator("partition")
+    @classmethod
+    def _known_partition(cls, value: str) -> str:
+        if value in ("best", "parameters", "uniform") or value.startswith("type:"):
+            return value
+        raise ValueError("expected 'parameters', 'uniform', 'best' or 'type:REGEX'")
+
+
+class TensorParallelConfig(Section):
+    """``tensor_parallel``: automatic tensor parallelism for training (DeepSpeed AutoTP)."""
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
+        {"tp", "tp_overlap_comm", "dtype", "injection_policy_tuple", "keep_module_on_host", "partition_config"}
+    )
+
+    autotp_size: AutoNonNegInt = 0
+    """Tensor-parallel degree; 0 or 1 disables tensor parallelism."""
+
+
+class MonitorConfig(Section):
+    """``tensorboard`` / ``csv_monitor``: write training metrics to files on rank 0."""
+
+    enabled: AutoBool = False
+    """Write the metrics."""
+    output_path: Str = ""
+    """Directory for the event/CSV files; "" means the current directory."""
+    job_name: Str = "DeepSpeedJobName"
+    """Sub-directory (run name) under output_path."""
+
+
+class WandbConfig(Section):
+    """``wandb``: log training metrics to Weights & Biases on rank 0."""
+
+    enabled: AutoBool = False
+    """Log to Weights & Biases."""
+    team: Optional[Str] = None
+    """W&B entity (team) name."""
+    group: Optional[Str] = None
+    """W&B run group."""
+    project: Str = "deepspeed"
+    """W&B project name."""
+
+
+class ParallelWriteConfig(Section):
+    """``checkpoint.parallel_write``: parallel checkpoint writing."""
+
+    pipeline_stage: AutoBool = False
+    """Each pipeline stage writes its own part of the checkpoint in parallel."""
+
+
+class CheckpointConfig(Section):
+    """``checkpoint``: checkpoint saving and loading behaviour."""
+
+    tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
+    """What to do when ranks save under different tags: Ignore, Warn or Fail (case-insensitive)."""
+    load_universal: AutoBool = False
+    """Load a universal (topology-independent) checkpoint."""
+    use_node_local_storage: AutoBool = False
+    """Every node writes its shards to its own local storage instead of a shared file system."""
+    parallel_write: ParallelWriteConfig = Field(default_factory=ParallelWriteConfig)
+    """Parallel writing options."""
+
+    @field_validator("tag_validation", mode="before")
+    @classmethod
+    def _capitalise(cls, value: Any) -> Any:
+        # DeepSpeed compares case-insensitively ("fail" == "FAIL" == "Fail").
+        return value.capitalize() if isinstance(value, str) else value
+
+
+class AioConfig(Section):
+    """``aio``: asynchronous I/O used by NVMe offload."""
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"intra_op_parallelism"})
+
+    block_size: AutoPosInt = 1048576
+    """Bytes per I/O request."""
+    queue_depth: AutoPosInt = 8
+    """I/O requests kept in flight."""
+    thread_count: AutoPosInt = 1
+    """I/O worker threads."""
+    single_submit: AutoBool = False
+    """Submit requests one at a time instead of in batches."""
+    overlap_events: AutoBool = True
+    """Overlap submitting new requests with waiting for completed ones."""
+    use_gds: AutoBool = False
+    """Use NVIDIA GPUDirect Storage."""
+
+
+class LRScalingConfig(Section):
+    """``lr_scaling`` (zerotune extension): scale the learning rate with the global batch size."""
+
+    rule: Literal["linear"] = "linear"
+    """Scaling rule; "linear" means lr x train_batch_size / base_batch_size."""
+    base_batch_size: AutoPosInt
+    """The global batch size the configured lr was tuned for."""
+
+
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "AioConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "FP16Config",
+    "LRScalingConfig",
+    "MonitorConfig",
+    "OptimizerConfig",
+    "ParallelWriteConfig",
+    "PipelineConfig",
+    "SchedulerConfig",
+    "TensorParallelConfig",
+    "WandbConfig",
+]

@@ -1,0 +1,65 @@
+"""Scalar field types shared by every config section.
+
+DeepSpeed configs are JSON, so pydantic's lax coercions ("5" -> 5, 1 -> True) would
+silently accept typos of type. These types are strict where it matters while still
+accepting the JSON idioms real configs use: ``5e8`` for an integer bucket size, ``1``
+for a float. Every numeric and boolean leaf may also hold HF's ``"auto"`` until
+:func:`zerotune.config.resolve_config` replaces it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal, Optional, Union
+
+from pydantic import BeforeValidator, Field, StrictBool, StrictStr
+
+AUTO = "auto"
+Auto = Literal["auto"]
+
+
+def _integer(value: Any) -> Any:
+    """Accept ints and integral floats (``5e8``); reject bools, strings, fractions."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected an integer, got boolean {str(value).lower()}")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"expected a finite integer, got {value}")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, float):
+        raise ValueError(f"expected an integer, got fraction {value}")
+    raise ValueError(f"expected an integer, got {type(value).__name__}")
+
+
+def _number(value: Any) -> Any:
+    """Accept ints and floats as floats; reject bools and numeric-looking strings."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"expected a number, got {type(value).__name__}")
+    if isinstance(value, float) and math.isnan(value):
+        raise ValueError("expected a number, got NaN")
+    return float(value)
+
+
+Int = Annotated[int, BeforeValidator(_integer)]
+NonNegInt = Annotated[int, BeforeValidator(_integer), Field(ge=0)]
+PosInt = Annotated[int, BeforeValidator(_integer), Field(ge=1)]
+Float = Annotated[float, BeforeValidator(_number)]
+NonNegFloat = Annotated[float, BeforeValidator(_number), Field(ge=0)]
+PosFloat = Annotated[float, BeforeValidator(_number), Field(gt=0)]
+Fraction = Annotated[float, BeforeValidator(_number), Field(ge=0, le=1)]
+Stage = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=3)]
+
+# The "auto"-able variants: what a field may hold between load_config and resolve_config.
+AutoInt = Union[Int, Auto]
+AutoStage = Union[Stage, Auto]
+AutoNonNegInt = Union[NonNegInt, Auto]
+AutoPosInt = Union[PosInt, Auto]
+AutoNonNegFloat = Union[NonNegFloat, Auto]
+AutoPosFloat = Union[PosFloat, Auto]
+AutoFraction = Union[Fraction, Auto]
+AutoBool = Union[StrictBool, Auto]
+OptAutoPosInt = Optional[Union[PosInt, Auto]]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+Str = StrictStr

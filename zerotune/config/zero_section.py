@@ -1,0 +1,150 @@
+"""``zero_optimization``: the ZeRO block, with DeepSpeed's key names and defaults.
+
+Bucket sizes and thresholds count *elements*, not bytes, as in DeepSpeed. The stage-3
+keys keep their ``stage3_`` prefix because that is what users write in their JSON.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import ClassVar, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from .section import Section
+from .types import (
+    AutoBool,
+    AutoFraction,
+    AutoInt,
+    AutoNonNegInt,
+    AutoPosInt,
+    AutoStage,
+    OffloadDevice,
+    Str,
+)
+
+
+class OffloadParamConfig(Section):
+    """``zero_optimization.offload_param``: where ZeRO-3 keeps the parameter shards."""
+
+    device: OffloadDevice = "none"
+    """none (accelerator memory), cpu, or nvme."""
+    nvme_path: Optional[Str] = None
+    """Directory of the swap files; required when device is nvme."""
+    pin_memory: AutoBool = False
+    """Use page-locked CPU memory for faster host-device copies."""
+    buffer_count: AutoPosInt = 5
+    """Number of swap buffers for NVMe offload."""
+    buffer_size: AutoPosInt = int(1e8)
+    """Elements per NVMe swap buffer."""
+    max_in_cpu: AutoNonNegInt = int(1e9)
+    """Parameter elements kept in CPU memory when offloading to NVMe."""
+
+
+class OffloadOptimizerConfig(Section):
+    """``zero_optimization.offload_optimizer``: where the optimizer state lives and steps."""
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"pipeline", "pipeline_read", "pipeline_write"})
+
+    device: OffloadDevice = "none"
+    """none (accelerator memory), cpu, or nvme."""
+    nvme_path: Optional[Str] = None
+    """Directory of the swap files; required when device is nvme."""
+    pin_memory: AutoBool = False
+    """Use page-locked CPU memory for faster host-device copies."""
+    buffer_count: AutoPosInt = 4
+    """Number of swap buffers for NVMe offload of optimizer state."""
+    fast_init: AutoBool = False
+    """Speed up optimizer-state initialisation when offloading to NVMe."""
+    ratio: AutoFraction = 1.0
+    """Fraction of the optimizer state (and step) placed on the offload device."""
+
+
+class ZeroConfig(Section):
+    """``zero_optimization``: ZeRO sharding of optimizer state, gradients and parameters."""
+
+    ALIASES: ClassVar[dict[str, str]] = {
+        "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+    }
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
+        {
+            "zenflow", "leaf_module", "zeropp_loco_param", "cpu_offload", "cpu_offload_param",
+            "cpu_offload_use_pin_memory", "legacy_stage1", "pipeline_loading_checkpoint",
+            "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
+            "save_muon_momentum_buffer_in_memory", "stage3_use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential", "stage3_partition_stream_chunk_size",
+        }
+    )
+
+    stage: AutoStage = 0
+    """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 also gradients, 3 also parameters."""
+    contiguous_gradients: AutoBool = True
+    """Copy gradients into one contiguous buffer as they are produced, avoiding fragmentation."""
+    reduce_scatter: AutoBool = True
+    """Average gradients with reduce-scatter (each rank receives its shard) instead of all-reduce."""
+    reduce_bucket_size: AutoNonNegInt = int(5e8)
+    """Gradient elements reduced per collective call."""
+    use_multi_rank_bucket_allreduce: AutoBool = True
+    """Combine the reduce buckets of several ranks into one all-reduce."""
+    allgather_partitions: AutoBool = True
+    """Gather updated parameter shards with all-gather (true) or a series of broadcasts (false)."""
+    allgather_bucket_size: AutoNonNegInt = int(5e8)
+    """Parameter elements all-gathered per collective call."""
+    overlap_comm: Optional[AutoBool] = None
+    """Overlap gradient reduction with the backward pass; unset means true for stage 3, false otherwise."""
+    load_from_fp32_weights: AutoBool = True
+    """Initialise fp32 master weights from the fp32 copies in a checkpoint rather than the 16-bit model."""
+    elastic_checkpoint: AutoBool = False
+    """Legacy elastic checkpoints that reload on a different data-parallel size."""
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    """Parameter offload (stage 3 only)."""
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    """Optimizer state offload (stages 1-3)."""
+    sub_group_size: AutoNonNegInt = int(1e9)
+    """Elements per optimizer sub-group stepped at once (limits offload memory)."""
+    stage3_prefetch_bucket_size: AutoNonNegInt = int(5e7)
+    """Parameter elements fetched ahead of use in stage 3."""
+    stage3_param_persistence_threshold: AutoNonNegInt = int(1e5)
+    """Parameters smaller than this many elements stay unpartitioned in stage 3."""
+    stage3_model_persistence_threshold: AutoNonNegInt = sys.maxsize
+    """Upper bound on the total elements kept unpartitioned by the persistence threshold."""
+    stage3_max_live_parameters: AutoNonNegInt = int(1e9)
+    """Gathered parameter elements kept resident before releasing in stage 3."""
+    stage3_max_reuse_distance: AutoNonNegInt = int(1e9)
+    """A parameter reused within this many elements is not released in stage 3."""
+    stage3_gather_16bit_weights_on_model_save: AutoBool = False
+    """Gather the full 16-bit weights when saving the model in stage 3 (alias stage3_gather_fp16_weights_on_model_save)."""
+    stage3_module_granularity_threshold: AutoNonNegInt = 0
+    """Modules finer than this parameter-per-submodule ratio are fetched as one unit; 0 disables."""
+    ignore_unused_parameters: AutoBool = True
+    """Tolerate parameters that receive no gradient instead of failing (stage 2)."""
+    round_robin_gradients: AutoBool = False
+    """Parallelise gradient copies to CPU among ranks (stages 1-2 with CPU offload)."""
+    zero_hpz_partition_size: AutoPosInt = 1
+    """ZeRO++ hierarchical partitioning: ranks in the secondary parameter group; 1 disables."""
+    zero_quantized_weights: AutoBool = False
+    """ZeRO++: quantize weights for the all-gather."""
+    zero_quantized_nontrainable_weights: AutoBool = False
+    """ZeRO++: store frozen weights quantized."""
+    zero_quantized_gradients: AutoBool = False
+    """ZeRO++: quantize gradients for the reduce."""
+    mics_shard_size: AutoInt = -1
+    """MiCS: ranks per parameter shard group; -1 disables MiCS."""
+    mics_hierarchical_params_gather: AutoBool = False
+    """MiCS: gather parameters hierarchically (intra-node then inter-node)."""
+    memory_efficient_linear: AutoBool = True
+    """Use the memory-efficient linear autograd function in stage 3."""
+
+    @model_validator(mode="after")
+    def _dynamic_defaults(self) -> "ZeroConfig":
+        # DeepSpeed's dynamic default: overlapping only pays off once parameters are sharded.
+        if self.overlap_comm is None and isinstance(self.stage, int):
+            self.overlap_comm = self.stage == 3
+        return self
+
+    @field_validator("mics_shard_size")
+    @classmethod
+    def _mics_disabled_or_positive(cls, value: int | str) -> int | str:
+        if isinstance(value, int) and (value == 0 or value < -1):
+            raise ValueError("expected -1 (MiCS disabled) or a positive number of ranks")
+        return value

@@ -1,0 +1,184 @@
+"""Build a torch optimizer from a DeepSpeed ``optimizer`` config section.
+
+DeepSpeed resolves ``{"type": ..., "params": {...}}`` in ``engine._configure_basic_optimizer``:
+"Adam"/"AdamW" go to its FusedAdam (or CPUAdam), "Lamb" to FusedLamb, and any other name
+to ``getattr(torch.optim, type)(params, **params)``. Here every type maps to a torch
+optimizer (or to ``zerotune.optim.lamb.Lamb``), with DeepSpeed's spellings translated:
+
+- "Adam" means *decoupled* weight decay (torch AdamW) because DeepSpeed's ``adam_w_mode``
+  defaults to true; ``adam_w_mode: false`` gives classic L2-coupled torch Adam. "AdamW"
+  is always decoupled. ``torch_adam`` is accepted (we always use torch's kernels), and so
+  are FusedAdam's ``bias_correction: true`` and ``set_grad_none``.
+- DeepSpeed's FusedAdam defaults ``weight_decay`` to 0, torch's AdamW to 0.01; unless
+  ``torch_adam`` is set (where DeepSpeed itself builds torch's class), 0 is used.
+- ``betas`` given as a JSON list becomes a tuple (OneCycle and checkpoints compare them).
+
+Type names are case-insensitive. DeepSpeed-only optimizers with no torch counterpart
+(1-bit Adam, MuP variants, ...) fail with the nearest supported type.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+
+from zerotune.config.errors import ConfigError, NotSupportedYetError
+from zerotune.optim.lamb import Lamb
+from zerotune.optim.validation import check_known_keys, did_you_mean, reject_auto_values
+
+# Canonical spellings (DeepSpeed's, or torch.optim's class name for the pass-through ones).
+OPTIMIZER_NAMES: tuple[str, ...] = (
+    "Adam", "AdamW", "SGD", "Adagrad", "Lamb",
+    "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adafactor",
+)  # fmt: skip
+_CANONICAL = {name.lower(): name for name in OPTIMIZER_NAMES}
+
+# lowercase name -> (display name, nearest supported type, why it is not supported).
+_UNSUPPORTED: dict[str, tuple[str, str, str]] = {
+    "onebitadam": ("OneBitAdam", "Adam", "1-bit compressed communication is not implemented"),
+    "zerooneadam": ("ZeroOneAdam", "Adam", "0/1 Adam's compressed communication is not implemented"),
+    "onebitlamb": ("OneBitLamb", "Lamb", "1-bit compressed communication is not implemented"),
+    "muadam": ("MuAdam", "Adam", "muP width-scaled learning rates are not implemented"),
+    "muadamw": ("MuAdamW", "AdamW", "muP width-scaled learning rates are not implemented"),
+    "musgd": ("MuSGD", "SGD", "muP width-scaled learning rates are not implemented"),
+    "lion": ("Lion", "AdamW", "torch has no Lion optimizer"),
+    "muon": ("Muon", "AdamW", "DeepSpeed's Muon pairs with Adam for non-matrix parameters; torch.optim.Muon does not"),
+    "cpuadam": ("CPUAdam", "Adam", "DeepSpeed's C++ kernels are not used; 'Adam' runs torch's on any device"),
+    "deepspeedcpuadam": ("DeepSpeedCPUAdam", "Adam", "DeepSpeed's C++ kernels are not used"),
+    "fusedadam": ("FusedAdam", "Adam", "DeepSpeed's CUDA kernels are not used; 'Adam' runs torch's"),
+    "fusedlamb": ("FusedLamb", "Lamb", "DeepSpeed's CUDA kernels are not used; 'Lamb' is a torch port"),
+    "cpuadagrad": ("CPUAdagrad", "Adagrad", "DeepSpeed's C++ kernels are not used"),
+    "lbfgs": ("LBFGS", "SGD", "LBFGS needs a closure, which the engine's step() does not pass"),
+    "sparseadam": ("SparseAdam", "Adam", "sparse gradients are not supported"),
+}
+
+# Keys DeepSpeed accepts for Adam/AdamW that torch's constructors do not take.
+_ADAM_DEEPSPEED_KEYS = ("adam_w_mode", "torch_adam", "bias_correction", "set_grad_none")
+# Constructor arguments that pick an implementation, not a hyperparameter.
+_IMPLEMENTATION_KNOBS = frozenset({"foreach", "capturable", "differentiable", "fused", "maximize"})
+
+
+def build_optimizer(opt_type: str, params: Mapping[str, Any], param_groups: Iterable) -> torch.optim.Optimizer:
+    """Build the optimizer DeepSpeed would build for ``{"type": opt_type, "params": params}``.
+
+    ``param_groups`` is what torch optimizers take: tensors, or dicts with ``"params"``
+    and per-group hyperparameters, which win over ``params`` (torch's rule).
+    Raises ``zerotune.config.ConfigError`` naming ``optimizer.type`` or ``optimizer.params.<key>``.
+    """
+    canonical = canonical_optimizer_name(opt_type)
+    params = dict(params or {})
+    if "max_grad_norm" in params:
+        raise ConfigError(
+            "optimizer.params.max_grad_norm",
+            "not an optimizer parameter; set the top-level 'gradient_clipping' instead (as DeepSpeed requires)",
+        )
+    check_known_keys(params, valid_optimizer_keys(canonical), "optimizer.params")
+    reject_auto_values(params, "optimizer.params")
+    optimizer_class, kwargs = _translate(canonical, params)
+    groups = [_translate_group(group) for group in param_groups]
+    if not groups:
+        raise ValueError("build_optimizer got no parameters to optimize (param_groups is empty)")
+    try:
+        return optimizer_class(groups, **kwargs)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError("optimizer.params", f"{optimizer_class.__name__} rejected the values: {exc}") from exc
+
+
+def optimizer_defaults(opt_type: str) -> dict[str, Any]:
+    """Hyperparameter defaults ``build_optimizer`` uses for ``opt_type`` when ``params`` omits them.
+
+    Used to resolve HF "auto" values and to show the effective config. Implementation
+    switches (``foreach``, ``fused``, ...) are left out.
+    """
+    canonical = canonical_optimizer_name(opt_type)
+    optimizer_class, overrides = _translate(canonical, {})
+    defaults = {
+        name: parameter.default
+        for name, parameter in _constructor_parameters(optimizer_class).items()
+        if parameter.default is not inspect.Parameter.empty and name not in _IMPLEMENTATION_KNOBS
+    }
+    defaults.update(overrides)
+    return defaults
+
+
+def canonical_optimizer_name(opt_type: str) -> str:
+    """Map a case-insensitive DeepSpeed type name to its canonical spelling, or raise."""
+    if not isinstance(opt_type, str):
+        raise ConfigError("optimizer.type", f"must be a string naming the optimizer, got {opt_type!r}")
+    key = opt_type.lower()
+    if key in _CANONICAL:
+        return _CANONICAL[key]
+    if key in _UNSUPPORTED:
+        display, nearest, why = _UNSUPPORTED[key]
+        raise NotSupportedYetError("optimizer.type", f"{display} is not supported yet; use {nearest} ({why})")
+    raise ConfigError(
+        "optimizer.type",
+        f"unknown optimizer '{opt_type}'.{did_you_mean(opt_type, OPTIMIZER_NAMES)} "
+        f"Valid types: {', '.join(OPTIMIZER_NAMES)}",
+    )
+
+
+def valid_optimizer_keys(canonical: str) -> tuple[str, ...]:
+    """The ``optimizer.params`` keys accepted for a canonical type name."""
+    if canonical in ("Adam", "AdamW"):
+        keys = set(_constructor_parameters(torch.optim.Adam)) | set(_constructor_parameters(torch.optim.AdamW))
+        return tuple(sorted(keys | set(_ADAM_DEEPSPEED_KEYS)))
+    return tuple(sorted(_constructor_parameters(_optimizer_class(canonical))))
+
+
+def _translate(canonical: str, params: dict[str, Any]) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """Turn DeepSpeed's params for ``canonical`` into a torch class and its constructor kwargs."""
+    kwargs = dict(params)
+    if "betas" in kwargs:
+        kwargs["betas"] = _betas_tuple(kwargs["betas"], "optimizer.params.betas")
+    if canonical not in ("Adam", "AdamW"):
+        return _optimizer_class(canonical), kwargs
+
+    torch_adam = bool(kwargs.pop("torch_adam", False))
+    adam_w_mode = bool(kwargs.pop("adam_w_mode", True))
+    if "decoupled_weight_decay" in kwargs:  # torch Adam's spelling of the same switch
+        torch_spelling = bool(kwargs.pop("decoupled_weight_decay"))
+        if "adam_w_mode" in params and bool(params["adam_w_mode"]) != torch_spelling:
+            raise ConfigError(
+                "optimizer.params.decoupled_weight_decay", "contradicts adam_w_mode; set only one of the two"
+            )
+        adam_w_mode = torch_spelling
+    kwargs.pop("set_grad_none", None)  # FusedAdam's zero_grad flag; torch already sets grads to None.
+    if not kwargs.pop("bias_correction", True):
+        raise ConfigError(
+            "optimizer.params.bias_correction",
+            "false is not supported: torch's Adam/AdamW always correct the moment bias; remove the key or set true",
+        )
+    # As in DeepSpeed: the name "AdamW" forces decoupled decay; "Adam" follows adam_w_mode (default true).
+    decoupled = canonical == "AdamW" or adam_w_mode
+    if not torch_adam:
+        kwargs.setdefault("weight_decay", 0.0)  # FusedAdam / CPUAdam default, unlike torch AdamW's 0.01
+    return (torch.optim.AdamW if decoupled else torch.optim.Adam), kwargs
+
+
+def _translate_group(group: Any) -> Any:
+    """Copy a param-group dict with JSON-style ``betas`` made a tuple; pass tensors through."""
+    if isinstance(group, Mapping):
+        group = dict(group)
+        if "betas" in group:
+            group["betas"] = _betas_tuple(group["betas"], "param_groups[].betas")
+    return group
+
+
+def _betas_tuple(betas: Any, path: str) -> tuple[float, float]:
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+        raise ConfigError(path, f"must be a list of two numbers [beta1, beta2], got {betas!r}")
+    return (betas[0], betas[1])
+
+
+def _optimizer_class(canonical: str) -> type[torch.optim.Optimizer]:
+    return Lamb if canonical == "Lamb" else getattr(torch.optim, canonical)
+
+
+def _constructor_parameters(optimizer_class: type) -> dict[str, inspect.Parameter]:
+    """Keyword parameters of an optimizer's constructor, without ``self`` and ``params``."""
+    signature = inspect.signature(optimizer_class.__init__)
+    return {name: p for name, p in signature.parameters.items() if name not in ("self", "params")}
