@@ -64,7 +64,8 @@ def _auto_values(raw: Any, model: torch.nn.Module) -> dict[str, Any]:
         except ValueError:
             defaults = {}
         values.update({f"optimizer.params.{key}": value for key, value in defaults.items()})
-        lr = raw.optimizer.params.get("lr", defaults.get("lr"))
+        lr = raw.optimizer.params.get("lr", "auto")
+        lr = defaults.get("lr") if lr == "auto" else lr
         if isinstance(lr, (int, float)):
             values["scheduler.params.warmup_max_lr"] = lr
             values["scheduler.params.cycle_max_lr"] = lr
