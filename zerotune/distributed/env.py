@@ -18,12 +18,26 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-DEFAULT_TIMEOUT = timedelta(seconds=float(os.environ.get("ZEROTUNE_DIST_TIMEOUT_S", 1800)))
 DEFAULT_PORT = 29500
 
 
 class DistributedSetupError(RuntimeError):
     """The launcher's environment is incomplete or contradictory."""
+
+
+def _default_timeout() -> timedelta:
+    """Collective timeout: ``ZEROTUNE_DIST_TIMEOUT_S`` seconds, 30 minutes by default (as torch)."""
+    value = os.environ.get("ZEROTUNE_DIST_TIMEOUT_S", "1800")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise DistributedSetupError(f"ZEROTUNE_DIST_TIMEOUT_S={value!r} is not a number of seconds") from None
+    if seconds <= 0:
+        raise DistributedSetupError(f"ZEROTUNE_DIST_TIMEOUT_S={value!r} must be positive")
+    return timedelta(seconds=seconds)
+
+
+DEFAULT_TIMEOUT = _default_timeout()
 
 
 @dataclass(frozen=True)
@@ -48,14 +62,18 @@ def _int_env(name: str) -> int | None:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host name of a SLURM node list such as ``node[03-05,9],gpu1`` -> ``node03``."""
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist.strip())
-    if not match:
+    """First host name of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``, ``rack[1-2]-n[01-04]`` -> ``rack1-n01``."""
+    first, depth = "", 0
+    for char in nodelist.strip():  # the first top-level comma ends the first host expression
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            break
+        first += char
+    host = re.sub(r"\[([^\]]*)\]", lambda m: m.group(1).split(",")[0].split("-")[0], first)
+    if not first or first.startswith("[") or depth != 0 or not host:
         raise DistributedSetupError(f"cannot parse SLURM_NODELIST={nodelist!r}")
-    prefix, ranges = match.group(1), match.group(2)
-    if not ranges:
-        return prefix
-    return prefix + ranges.split(",")[0].split("-")[0]
+    return host
 
 
 def _launcher_ranks() -> tuple[int, int, int] | None:

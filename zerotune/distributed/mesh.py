@@ -35,6 +35,9 @@ class ParallelDims:
     @classmethod
     def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> ParallelDims:
         """Data-parallel size is whatever the model-parallel axes leave over."""
+        for axis, size in (("tp", tp), ("pp", pp)):
+            if not isinstance(size, int) or size < 1:
+                raise ValueError(f"parallel size {axis}={size!r} must be a positive integer")
         if world_size % (tp * pp):
             raise ValueError(
                 f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp}"
@@ -70,15 +73,23 @@ class ProcessMesh:
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         self._names = names
 
+    @staticmethod
+    def _check_axis(axis: str) -> None:
+        if axis not in AXES:
+            raise ValueError(f"unknown parallel axis {axis!r}; valid axes: {', '.join(AXES)}")
+
     def size(self, axis: str) -> int:
+        self._check_axis(axis)
         return getattr(self.dims, axis)
 
     def rank(self, axis: str) -> int:
+        self._check_axis(axis)
         if axis not in self._names:
             return 0
         return self.device_mesh.get_local_rank(axis)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
+        self._check_axis(axis)
         if axis not in self._names:
             return None
         return self.device_mesh.get_group(axis)

@@ -1,10 +1,12 @@
 """ZeRO stage 0 gradient sync: plain data parallel, bucketed all-reduce overlapped with backward.
 
-Where gradients live and in what dtype: autograd writes each parameter's gradient into
-``param.grad`` in the parameter's own dtype (fp32, bf16 or fp16); a post-accumulate hook adds it
-into an **fp32** flat bucket buffer and drops ``param.grad`` at once. Accumulation over
-micro-steps therefore happens in fp32 whatever the model dtype, and a bf16/fp16 model holds no
-full-size gradient of its own between micro-steps.
+Where gradients live and in what dtype: every trainable parameter's gradient has a slot in an
+**fp32** flat bucket buffer, so accumulation over micro-steps happens in fp32 whatever the model
+dtype. For fp32 parameters ``param.grad`` *is* that slot (a view attached before each backward),
+and autograd accumulates into the bucket in place -- no copy, no extra allocation (DDP's
+``gradient_as_bucket_view``). For bf16/fp16 parameters autograd writes ``param.grad`` in the
+parameter's dtype; a post-accumulate hook adds it into the fp32 slot and drops it at once, so
+such a model holds no full-size low-precision gradient between micro-steps.
 
 Only the last micro-step of an accumulation window (the boundary) communicates: as each bucket
 fills up during that backward, its all-reduce is launched asynchronously, so communication
@@ -37,6 +39,7 @@ class AllReduceGradSync:
         self.buckets = GradientBuckets.build(self.params, bucket_numel, torch.float32, device, self._launch)
         self._handles: list[comm.Handle] = []
         self._communicating = False
+        self._grads_in_buckets = all(p.dtype == torch.float32 for p in self.params)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
 
     def begin_micro_step(self, is_boundary: bool) -> None:
@@ -45,10 +48,20 @@ class AllReduceGradSync:
         if is_boundary:
             self.buckets.start_round()
             self._handles = []
+        if self._grads_in_buckets:
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = self.buckets.view_of(param)
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
-        self.buckets.view_of(param).add_(param.grad)
-        param.grad = None
+        view = self.buckets.view_of(param)
+        if param.grad.data_ptr() != view.data_ptr():
+            if self._grads_in_buckets:  # autograd replaced the view (e.g. create_graph=True): take its sum
+                view.copy_(param.grad)
+                param.grad = view
+            else:
+                view.add_(param.grad)
+                param.grad = None
         if self._communicating:
             self.buckets.mark_ready(param)
 

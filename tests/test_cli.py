@@ -1,0 +1,43 @@
+"""The installed ``zerotune`` command itself (not just its functions)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _zerotune(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerotune.cli.main", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_check_typo_exits_nonzero_with_one_line_suggestion(tmp_path: Path) -> None:
+    path = tmp_path / "typo.json"
+    path.write_text(json.dumps({"train_batch_size": 8, "gradient_clipping": 1.0, "zero_optimization": {"stge": 1}}))
+    done = _zerotune("check", str(path))
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert "zero_optimization.stge" in lines[0] and "did you mean 'stage'" in lines[0]
+
+
+def test_check_hf_zero3_config_with_autos_passes() -> None:
+    done = _zerotune("check", str(REPO / "tests" / "data" / "configs" / "ds_config_zero3.json"), "--world-size", "8")
+    assert done.returncode == 0, done.stderr
+    assert "auto" in done.stdout and "zero_optimization.stage" in done.stdout
+
+
+def test_check_bundled_example_config_shows_provenance() -> None:
+    done = _zerotune("check", str(REPO / "examples" / "ds_config.json"), "--world-size", "2")
+    assert done.returncode == 0, done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("train_batch_size"))
+    assert row.split()[1:] == ["32", "inferred"]
+
+
+def test_run_without_script_prints_torchrun_help() -> None:
+    done = _zerotune("run", "--help")
+    assert done.returncode == 0 and "--nproc_per_node" in done.stdout
