@@ -15,7 +15,7 @@ The engine is assembled by ``zerotune.initialize``; it never reads the config fi
 from __future__ import annotations
 
 import math
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -30,24 +30,14 @@ from zerotune.precision.policy import MasterWeights, PrecisionPolicy
 from zerotune.zero.allreduce_sync import AllReduceGradSync
 
 
-def _cast_floating(value: Any, dtype: torch.dtype) -> Any:
-    """Cast floating-point tensors in (nested) inputs to the model's dtype; leave the rest."""
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in nested lists / tuples / dicts; leave other values alone."""
     if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
+        return fn(value)
     if isinstance(value, (list, tuple)):
-        return type(value)(_cast_floating(v, dtype) for v in value)
+        return type(value)(_map_tensors(v, fn) for v in value)
     if isinstance(value, dict):
-        return {k: _cast_floating(v, dtype) for k, v in value.items()}
-    return value
-
-
-def _move_to(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_move_to(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: _move_to(v, device) for k, v in value.items()}
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
 
 
@@ -175,7 +165,12 @@ class Engine(torch.nn.Module):
     # ---- one micro-step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.policy.mixed:
-            args, kwargs = _cast_floating(args, self.policy.param_dtype), _cast_floating(kwargs, self.policy.param_dtype)
+            dtype = self.policy.param_dtype
+
+            def cast(t: torch.Tensor) -> torch.Tensor:
+                return t.to(dtype) if t.is_floating_point() else t
+
+            args, kwargs = _map_tensors(args, cast), _map_tensors(kwargs, cast)
         with self.timers("forward"):
             return self.module(*args, **kwargs)
 
@@ -280,7 +275,8 @@ class Engine(torch.nn.Module):
         """Run one full optimizer step (GAS micro-batches) and return the mean loss."""
         total = torch.zeros((), device=self.device)
         for _ in range(self.gradient_accumulation_steps()):
-            batch = _move_to(next(data_iter) if data_iter is not None else self._next_default_batch(), self.device)
+            batch = next(data_iter) if data_iter is not None else self._next_default_batch()
+            batch = _map_tensors(batch, lambda t: t.to(self.device))
             if isinstance(batch, dict):
                 output = self(**batch)
             elif isinstance(batch, (list, tuple)):

@@ -120,9 +120,8 @@ def current_env() -> DistEnv:
     """The environment of an already initialized process group."""
     if not dist.is_initialized():
         raise DistributedSetupError("torch.distributed is not initialized: call zerotune.init_distributed() first")
-    local_rank = _int_env("LOCAL_RANK")
-    if local_rank is None:
-        local_rank = _int_env("OMPI_COMM_WORLD_LOCAL_RANK") or _int_env("SLURM_LOCALID") or 0
+    local_rank = next((value for value in map(_int_env, ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"))
+                       if value is not None), 0)
     backend = dist.get_backend()
     device = _pick_device(local_rank) if backend == "nccl" else torch.device("cpu")
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
@@ -152,6 +151,8 @@ def init_distributed(
     if dist_init_required is False:
         raise DistributedSetupError("dist_init_required=False but torch.distributed is not initialized")
     if rank >= 0 and world_size > 0:
+        if rank >= world_size:
+            raise DistributedSetupError(f"rank={rank} is outside [0, world_size={world_size})")
         launched = (rank, world_size, _int_env("LOCAL_RANK") or 0)
     else:
         launched = _launcher_ranks()

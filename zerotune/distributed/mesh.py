@@ -29,14 +29,14 @@ class ParallelDims:
     def __post_init__(self) -> None:
         for axis in AXES:
             size = getattr(self, axis)
-            if not isinstance(size, int) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"parallel size {axis}={size!r} must be a positive integer")
 
     @classmethod
     def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> ParallelDims:
         """Data-parallel size is whatever the model-parallel axes leave over."""
         for axis, size in (("tp", tp), ("pp", pp)):
-            if not isinstance(size, int) or size < 1:
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"parallel size {axis}={size!r} must be a positive integer")
         if world_size % (tp * pp):
             raise ValueError(
