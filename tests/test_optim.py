@@ -75,7 +75,7 @@ def test_each_name_builds_the_right_class_and_hyperparameters(opt_type, params, 
 def test_adam_with_weight_decay_is_decoupled_like_torch_adamw():
     ours_params, ref_params = _params(), _params()
     ours = build_optimizer("Adam", {"lr": 0.05, "weight_decay": 0.2}, ours_params)
-    reference = torch.optim.AdamW(ref_params, lr=0.05, weight_decay=0.2)
+    reference = torch.optim.AdamW(ref_params, lr=0.05, weight_decay=0.2, fused=True)
     for got, want in zip(_run(ours, ours_params), _run(reference, ref_params)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
@@ -83,7 +83,7 @@ def test_adam_with_weight_decay_is_decoupled_like_torch_adamw():
 def test_adam_w_mode_false_is_l2_coupled_torch_adam():
     ours_params, ref_params, adamw_params = _params(), _params(), _params()
     ours = build_optimizer("Adam", {"lr": 0.05, "weight_decay": 0.2, "adam_w_mode": False}, ours_params)
-    reference = torch.optim.Adam(ref_params, lr=0.05, weight_decay=0.2)
+    reference = torch.optim.Adam(ref_params, lr=0.05, weight_decay=0.2, fused=True)
     ours_out, ref_out = _run(ours, ours_params), _run(reference, ref_params)
     for got, want in zip(ours_out, ref_out):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -480,3 +480,11 @@ def test_linear_lr_scaling():
     assert info.value.path == "lr_scaling.rule"
     with pytest.raises(ConfigError, match="positive integer"):
         scale_lr_linear(1e-3, 0, 32)
+
+
+def test_fused_kernel_is_the_default_unless_the_user_chooses() -> None:
+    params = [torch.nn.Parameter(torch.randn(4))]
+    assert build_optimizer("AdamW", {"lr": 0.1}, params).defaults["fused"] is True
+    assert build_optimizer("SGD", {"lr": 0.1}, params).defaults["fused"] is True
+    assert not build_optimizer("AdamW", {"lr": 0.1, "foreach": True}, params).defaults["fused"]
+    assert not build_optimizer("AdamW", {"lr": 0.1, "fused": False}, params).defaults["fused"]
