@@ -66,7 +66,7 @@ def test_assignment_properties(numels, cap):
 def _four_params_in_two_buckets() -> tuple[list[nn.Parameter], GradientBuckets, list[int]]:
     params = [nn.Parameter(torch.zeros(2, 2)) for _ in range(4)]
     launched: list[int] = []
-    buckets = GradientBuckets.build(params, bucket_numel=8, dtype=torch.float32, device=torch.device("cpu"),
+    buckets = GradientBuckets.whole_params(params, bucket_numel=8, dtype=torch.float32, device=torch.device("cpu"),
                                     launch=lambda bucket: launched.append(bucket.index))
     return params, buckets, launched
 
@@ -180,7 +180,7 @@ def _sync_on_rank(gas: int, steps: int, predivide: float, bucket_numel: int) -> 
     params = [p for p in model.parameters() if p.requires_grad]
     sync = AllReduceGradSync(params, dist.group.WORLD, bucket_numel=bucket_numel, device=torch.device("cpu"),
                              predivide_factor=predivide)
-    out = {"buckets": len(sync.buckets.buckets), "buffer_bytes": sync.buffer_bytes(), "steps": []}
+    out = {"buckets": len(sync.buckets.buckets), "buffer_bytes": sync.grad_bytes(), "steps": []}
     for step in range(steps):
         comm.reset_comm_stats()
         between_micro_steps = []
@@ -220,7 +220,7 @@ def test_allreduce_sync_on_two_ranks(gas, predivide, bucket_numel):
         for step in out["steps"]:
             assert step["silent_micro_steps"] == [{}] * (gas - 1), "only the boundary communicates"
             # One all-reduce per bucket, carrying every trainable element once in fp32.
-            assert step["all_reduce"] == (out["buckets"], 4 * TRAINABLE_NUMEL)
+            assert step["all_reduce"] == (out["buckets"], 2 * 4 * TRAINABLE_NUMEL)  # all-reduce volume: 2 x payload
             assert step["other_ops"] == []
             assert step["param_grad_is_bucket"]
             _assert_close(step["grads"], step["reference"])

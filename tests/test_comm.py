@@ -90,11 +90,11 @@ def _counted_traffic() -> dict:
     group = dist.group.WORLD
     comm.reset_comm_stats()
     before = comm.comm_stats()
-    comm.all_reduce(torch.zeros(10), group)                                   # 40 bytes
-    comm.all_reduce(torch.zeros(3, dtype=torch.float64), group, async_op=True).wait()  # 24 bytes
+    comm.all_reduce(torch.zeros(10), group)                                   # 2 x 40 bytes
+    comm.all_reduce(torch.zeros(3, dtype=torch.float64), group, async_op=True).wait()  # 2 x 24 bytes
     comm.reduce_scatter_tensor(torch.empty(4), torch.zeros(4 * world), group)  # input: 16 * world bytes
     comm.all_gather_into_tensor(torch.empty(6 * world, dtype=torch.bfloat16),
-                                torch.zeros(6, dtype=torch.bfloat16), group)   # input: 12 bytes
+                                torch.zeros(6, dtype=torch.bfloat16), group)   # output: 12 * world bytes
     comm.broadcast(torch.zeros(5, dtype=torch.int64), 0, group)                # 40 bytes
     comm.all_gather_object("not tensor traffic", group)
     stats = comm.comm_stats()
@@ -113,12 +113,12 @@ def test_byte_counters(world):
         stats = out["stats"]
         stats["all_reduce"].calls = 2  # undo the snapshot mutation before comparing
         assert stats == {
-            "all_reduce": OpStats(calls=2, bytes=40 + 24),
+            "all_reduce": OpStats(calls=2, bytes=2 * (40 + 24)),
             "reduce_scatter": OpStats(calls=1, bytes=16 * world),
-            "all_gather": OpStats(calls=1, bytes=12),
+            "all_gather": OpStats(calls=1, bytes=12 * world),
             "broadcast": OpStats(calls=1, bytes=40),
         }
-        assert out["total"] == 40 + 24 + 16 * world + 12 + 40
+        assert out["total"] == 2 * (40 + 24) + 16 * world + 12 * world + 40
         assert out["snapshot_is_copy"]
         assert out["after_reset"] == ({}, 0)
 

@@ -13,8 +13,9 @@ from tests.models import make_mlp, mlp_batch, mlp_param_groups, rank_slice
 from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError
 
 
-def _config(**fp16) -> dict:
+def _config(stage: int = 0, **fp16) -> dict:
     return {
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 100, "allgather_bucket_size": 50},
         "train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "steps_per_print": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
         "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10, "warmup_type": "linear"}},
@@ -29,14 +30,14 @@ def _step(engine, step: int, poison: bool = False) -> None:
     engine.step()
 
 
-def _overflow_skips_step() -> dict:
+def _overflow_skips_step(stage: int) -> dict:
     model = make_mlp()
     engine, optimizer, _, scheduler = zerotune.initialize(model=model, model_parameters=mlp_param_groups(model),
-                                                          config=_config())
+                                                          config=_config(stage))
     for step in range(3):
         _step(engine, step)
     weights = copy.deepcopy(model.state_dict())
-    masters = [m.detach().clone() for m in engine.masters.masters]
+    masters = [m.detach().clone() for m in engine.state.masters]
     optimizer_state = copy.deepcopy(optimizer.state_dict())
     before = {"scale": engine.loss_scale, "skipped": engine.skipped_steps, "steps": engine.global_steps,
               "lr": engine.get_lr(), "scheduler": scheduler.state_dict()}
@@ -44,7 +45,7 @@ def _overflow_skips_step() -> dict:
     after = {"scale": engine.loss_scale, "skipped": engine.skipped_steps, "steps": engine.global_steps,
              "lr": engine.get_lr(), "scheduler": scheduler.state_dict()}
     same_weights = all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
-    same_masters = all(torch.equal(a, b) for a, b in zip(masters, engine.masters.masters))
+    same_masters = all(torch.equal(a, b) for a, b in zip(masters, engine.state.masters))
     state_now = optimizer.state_dict()
     same_state = all(torch.equal(optimizer_state["state"][i][k], v) if isinstance(v, torch.Tensor) else
                      optimizer_state["state"][i][k] == v
@@ -56,8 +57,9 @@ def _overflow_skips_step() -> dict:
             "same_state": same_state, "applied": applied, "recovered": engine.was_step_applied()}
 
 
-def test_overflow_step_is_skipped_bit_identically() -> None:
-    for result in run_distributed(_overflow_skips_step, 2):
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_overflow_step_is_skipped_bit_identically(stage: int) -> None:
+    for result in run_distributed(_overflow_skips_step, 2, stage):
         before, after = result["before"], result["after"]
         assert result["same_weights"] and result["same_masters"] and result["same_state"]
         assert not result["applied"] and result["recovered"]
@@ -67,11 +69,11 @@ def test_overflow_step_is_skipped_bit_identically() -> None:
         assert after["lr"] == before["lr"] and after["scheduler"] == before["scheduler"]
 
 
-def _overflow_at_minimum_scale() -> str:
+def _overflow_at_minimum_scale(stage: int) -> str:
     model = make_mlp()
     model.out.weight.register_hook(lambda grad: grad * float("inf"))
     engine, _, _, _ = zerotune.initialize(model=model, model_parameters=mlp_param_groups(model),
-                                          config=_config(initial_scale_power=0, min_loss_scale=1))
+                                          config=_config(stage, initial_scale_power=0, min_loss_scale=1))
     try:
         _step(engine, 0)
     except LossScaleError as error:
@@ -81,8 +83,9 @@ def _overflow_at_minimum_scale() -> str:
     return "no error"
 
 
-def test_overflow_at_minimum_scale_names_the_parameter() -> None:
-    messages = run_distributed(_overflow_at_minimum_scale, 2)
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_overflow_at_minimum_scale_names_the_parameter(stage: int) -> None:
+    messages = run_distributed(_overflow_at_minimum_scale, 2, stage)
     assert all("'out.weight'" in m and "minimum loss scale" in m for m in messages), messages
 
 

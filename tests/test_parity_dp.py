@@ -1,4 +1,4 @@
-"""ZeRO stage 0 (data parallel) reproduces single-process PyTorch on 2 and 4 gloo ranks.
+"""ZeRO stages 0 (data parallel), 1 and 2 reproduce single-process PyTorch on 2 and 4 gloo ranks.
 
 fp32: losses and global gradient norms within 1e-5 relative over 8 steps with GAS 2 and
 clipping; bf16 and fp16 within 2% of the fp32 reference.
@@ -24,13 +24,14 @@ OPTIMIZERS = {
 }
 
 
-def _config(world: int, micro: int, opt_type: str, precision: str = "fp32") -> dict:
+def _config(world: int, micro: int, opt_type: str, precision: str, stage: int) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": GAS,
         "gradient_clipping": CLIP,
         "optimizer": {"type": opt_type, "params": OPTIMIZERS[opt_type][0]},
-        "zero_optimization": {"stage": 0, "reduce_bucket_size": 300},  # several buckets even for tiny models
+        # small buckets: several collectives (and parameters split across buckets) even for tiny models
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200},
         "steps_per_print": 1000,
     }
     if precision == "bf16":
@@ -40,7 +41,7 @@ def _config(world: int, micro: int, opt_type: str, precision: str = "fp32") -> d
     return config
 
 
-def _mlp_parity(opt_type: str, micro: int, precision: str) -> dict:
+def _mlp_parity(opt_type: str, micro: int, precision: str, stage: int) -> dict:
     world = torch.distributed.get_world_size()
     params, make_reference_optimizer = OPTIMIZERS[opt_type]
     reference_model = make_mlp()
@@ -48,15 +49,16 @@ def _mlp_parity(opt_type: str, micro: int, precision: str) -> dict:
                               mlp_batch, steps=STEPS, gas=GAS, global_rows=micro * world, clip=CLIP)
     model = make_mlp()
     engine, _, _, _ = zerotune.initialize(model=model, model_parameters=mlp_param_groups(model),
-                                          config=_config(world, micro, opt_type, precision))
+                                          config=_config(world, micro, opt_type, precision, stage))
     trace = engine_run(engine, mlp_batch, steps=STEPS, gas=GAS, global_rows=micro * world)
+    assert engine.sharded == (stage > 0) and engine.zero_optimization_stage() == stage
     frozen_untouched = torch.equal(model.frozen.weight.float(), make_mlp().frozen.weight)
     engine.destroy()
     return {"trace": trace, "reference": reference, "frozen_untouched": frozen_untouched,
             "skipped": engine.skipped_steps}
 
 
-def _gpt2_parity(micro: int, precision: str) -> dict:
+def _gpt2_parity(micro: int, precision: str, stage: int) -> dict:
     world = torch.distributed.get_world_size()
     params, make_reference_optimizer = OPTIMIZERS["AdamW"]
     reference_model = make_gpt2()
@@ -64,37 +66,45 @@ def _gpt2_parity(micro: int, precision: str) -> dict:
                               gpt2_batch, steps=STEPS, gas=GAS, global_rows=micro * world, clip=CLIP)
     model = make_gpt2()
     engine, _, _, _ = zerotune.initialize(model=model, model_parameters=model.parameters(),
-                                          config=_config(world, micro, "AdamW", precision))
+                                          config=_config(world, micro, "AdamW", precision, stage))
     trace = engine_run(engine, gpt2_batch, steps=STEPS, gas=GAS, global_rows=micro * world)
+    assert engine.sharded == (stage > 0) and engine.zero_optimization_stage() == stage
     tied = model.transformer.wte.weight is model.lm_head.weight
     engine.destroy()
     return {"trace": trace, "reference": reference, "tied": tied, "skipped": engine.skipped_steps}
 
 
+STAGES = [0, 1, 2]
+
+
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("opt_type", ["AdamW", "SGD"])
-def test_mlp_fp32_matches_single_process(world: int, opt_type: str) -> None:
-    result = run_distributed(_mlp_parity, world, opt_type, 2, "fp32")[0]
+def test_mlp_fp32_matches_single_process(world: int, opt_type: str, stage: int) -> None:
+    result = run_distributed(_mlp_parity, world, opt_type, 2, "fp32", stage)[0]
     assert_close_traces(result["trace"], result["reference"], rel=1e-5)
     assert result["frozen_untouched"]
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("world", [2, 4])
-def test_gpt2_tied_fp32_matches_single_process(world: int) -> None:
-    result = run_distributed(_gpt2_parity, world, 2, "fp32", timeout=120)[0]
+def test_gpt2_tied_fp32_matches_single_process(world: int, stage: int) -> None:
+    result = run_distributed(_gpt2_parity, world, 2, "fp32", stage, timeout=120)[0]
     assert result["tied"]
     assert_close_traces(result["trace"], result["reference"], rel=1e-5)
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mlp_mixed_precision_within_two_percent(precision: str) -> None:
-    result = run_distributed(_mlp_parity, 2, "AdamW", 4, precision)[0]
+def test_mlp_mixed_precision_within_two_percent(precision: str, stage: int) -> None:
+    result = run_distributed(_mlp_parity, 2, "AdamW", 4, precision, stage)[0]
     assert result["skipped"] == 0
     assert_close_traces(result["trace"], result["reference"], rel=0.02)
 
 
+@pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_gpt2_mixed_precision_within_two_percent(precision: str) -> None:
-    result = run_distributed(_gpt2_parity, 2, 2, precision, timeout=120)[0]
+def test_gpt2_mixed_precision_within_two_percent(precision: str, stage: int) -> None:
+    result = run_distributed(_gpt2_parity, 2, 2, precision, stage, timeout=120)[0]
     assert result["skipped"] == 0
     assert_close_traces(result["trace"], result["reference"], rel=0.02)

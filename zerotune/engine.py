@@ -26,8 +26,9 @@ from zerotune.monitor.step_report import StepReporter
 from zerotune.monitor.timers import WallClockTimers
 from zerotune.monitor.writers import ScalarWriters
 from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler
-from zerotune.precision.policy import MasterWeights, PrecisionPolicy
-from zerotune.zero.allreduce_sync import AllReduceGradSync
+from zerotune.precision.policy import PrecisionPolicy
+from zerotune.zero.replicated_state import ReplicatedState
+from zerotune.zero.sharded_state import ShardedState
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -58,7 +59,7 @@ class Engine(torch.nn.Module):
     """Wraps a model for data-parallel training; see the module docstring for one step's phases."""
 
     def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,
-                 policy: PrecisionPolicy, masters: MasterWeights, grad_sync: AllReduceGradSync,
+                 policy: PrecisionPolicy, state: ReplicatedState | ShardedState,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
                  training_dataloader: Any = None) -> None:
@@ -68,8 +69,7 @@ class Engine(torch.nn.Module):
         self.env = env
         self.mesh = mesh
         self.policy = policy
-        self.masters = masters
-        self.grad_sync = grad_sync
+        self.state = state
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler
@@ -120,7 +120,17 @@ class Engine(torch.nn.Module):
 
     @property
     def trainable_params(self) -> list[torch.nn.Parameter]:
-        return self.masters.params
+        return self.state.params
+
+    @property
+    def sharded(self) -> bool:
+        """Whether optimizer state and masters are partitioned over the data-parallel ranks (ZeRO >= 1)."""
+        return isinstance(self.state, ShardedState)
+
+    @property
+    def grad_sync(self):
+        """The stage's gradient sync strategy (all-reduce, reduce-at-boundary or bucketed reduce)."""
+        return self.state.grad_sync
 
     def gradient_accumulation_steps(self) -> int:
         return self._config.gradient_accumulation_steps
@@ -196,16 +206,16 @@ class Engine(torch.nn.Module):
         self.micro_steps += 1
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
-        grads = [self.grad_sync.grad_of(p) for p in self.masters.params]
+        grads = self.state.step_grads()
         scale = self.loss_scaler.loss_scale
-        scaled_norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
+        scaled_norm = self.state.grad_norm(grads)
         overflow = not math.isfinite(scaled_norm)
         if overflow:
             self._last_grad_norm = scaled_norm
             if self.loss_scaler.dynamic and self.loss_scaler.at_minimum:
                 raise LossScaleError(
                     f"fp16 gradient overflow at the minimum loss scale {scale:g}; the first parameter with an "
-                    f"inf/nan gradient is '{self._first_nonfinite_param()}'. Lower the learning rate, use bf16, "
+                    f"inf/nan gradient is '{self.state.first_nonfinite_param(self.param_names)}'. Lower the learning rate, use bf16, "
                     "or lower zero_optimization/fp16.min_loss_scale"
                 )
             self.skipped_steps += 1
@@ -218,10 +228,9 @@ class Engine(torch.nn.Module):
                 coefficient *= min(1.0, clip / (norm + 1e-6))
             if coefficient != 1.0:
                 torch._foreach_mul_(grads, coefficient)
-            for param, grad in zip(self.masters.params, grads):
-                self.masters.master_of(param).grad = grad
+            self.state.attach(grads)
             self.optimizer.step()
-            self.masters.copy_to_model()
+            self.state.update_model()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
         self.loss_scaler.update_scale(overflow)
@@ -230,12 +239,6 @@ class Engine(torch.nn.Module):
         self.global_samples += self.train_batch_size()
         self._report(overflow)
         self.zero_grad()
-
-    def _first_nonfinite_param(self) -> str:
-        for param in self.masters.params:
-            if not torch.isfinite(self.grad_sync.grad_of(param)).all():
-                return self.param_names.get(id(param), "<unnamed>")
-        return "<none found>"
 
     def _report(self, overflow: bool) -> None:
         loss = None
@@ -251,9 +254,24 @@ class Engine(torch.nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (the fp32 buckets and any ``.grad`` left on parameters or masters)."""
         del set_to_none
-        self.grad_sync.zero_grad()
-        for master in self.masters.masters:
-            master.grad = None
+        self.state.zero_grad()
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """This rank's bytes of model state, by kind (the ZeRO paper's accounting).
+
+        ``params``: the model's parameters (trainable and frozen); ``grads``: gradient storage
+        (fp32 buckets at stage 0, full flat buffers at stage 1, this rank's slice at stage 2);
+        ``master_weights``: separate fp32 masters (none in fp32 training); ``optimizer_state``;
+        ``comm_buffers``: communication staging beyond the gradients (stage-2 buckets in flight).
+        """
+        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.module.parameters()}
+        optimizer_bytes = 0
+        if self.optimizer is not None:
+            optimizer_bytes = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
+                                  for t in s.values() if isinstance(t, torch.Tensor))
+        return {"params": sum(storages.values()), "grads": self.grad_sync.grad_bytes(),
+                "master_weights": self.state.master_bytes(), "optimizer_state": optimizer_bytes,
+                "comm_buffers": self.grad_sync.buffer_bytes()}
 
     # ---- whole batches -------------------------------------------------------------------
     def _next_default_batch(self) -> Any:

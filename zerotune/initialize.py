@@ -14,18 +14,22 @@ from typing import Any, Callable, Iterable
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from zerotune.config import ConfigError, assert_implemented, load_config, resolve_config
+from zerotune.config import ConfigError, NotSupportedYetError, assert_implemented, load_config, resolve_config
 from zerotune.distributed import comm
 from zerotune.distributed.env import init_distributed
 from zerotune.distributed.mesh import ParallelDims, ProcessMesh, build_mesh
 from zerotune.engine import Engine
 from zerotune.monitor.logging import log_rank0
-from zerotune.optim import apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
+from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
-from zerotune.precision.policy import MasterWeights, policy_from_flags
+from zerotune.precision.policy import policy_from_flags
 from zerotune.zero.allreduce_sync import AllReduceGradSync
+from zerotune.zero.replicated_state import ReplicatedState
+from zerotune.zero.sharded_state import ShardedState
+from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync
+from zerotune.zero.stage2_sync import BucketedReduceGradSync
 
-IMPLEMENTED_ZERO_STAGES = (0,)
+IMPLEMENTED_ZERO_STAGES = (0, 1, 2)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -109,10 +113,8 @@ def _broadcast_from_rank0(model: torch.nn.Module, mesh: ProcessMesh) -> None:
             comm.broadcast(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, 0, group)
 
 
-def _build_optimizer(raw_optimizer: Any, client: Any, groups: list[dict], masters: MasterWeights,
-                     trainable: set[int]) -> torch.optim.Optimizer | None:
-    master_groups = [{**group, "params": [masters.master_of(p) for p in group["params"] if id(p) in trainable]}
-                     for group in groups]
+def _build_optimizer(raw_optimizer: Any, client: Any, master_groups: list[dict]) -> torch.optim.Optimizer | None:
+    """The optimizer over the stage's master parameters (full masters at stage 0, flat shards at 1/2)."""
     if client is not None and raw_optimizer is not None:
         raise ConfigError("optimizer", "an optimizer was passed to initialize() and the config has an 'optimizer' "
                                        "block; keep one of them")
@@ -127,6 +129,36 @@ def _build_optimizer(raw_optimizer: Any, client: Any, groups: list[dict], master
     if raw_optimizer is not None:
         return build_optimizer(raw_optimizer.type, raw_optimizer.params, master_groups)
     return None
+
+
+def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Parameter], policy: Any,
+                 mesh: ProcessMesh, model: torch.nn.Module) -> ReplicatedState | ShardedState:
+    """Masters (full or sharded) and the stage's gradient sync; the model is cast to its dtype in between.
+
+    Masters are taken from the fp32 parameters before the cast, so they carry no rounding error.
+    """
+    zero = cfg.zero_optimization
+    group = mesh.group("dp")
+    predivide = _predivide_factor(cfg, mesh)
+    if zero.stage == 0:
+        state = ReplicatedState(trainable, policy, grad_sync=None)
+        model.to(policy.param_dtype)
+        state.grad_sync = AllReduceGradSync(trainable, group, bucket_numel=int(zero.reduce_bucket_size),
+                                            device=trainable[0].device if trainable else torch.device("cpu"),
+                                            predivide_factor=predivide)
+        return state
+    chosen = {id(p) for p in trainable}
+    group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
+    state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size))
+    model.to(policy.param_dtype)  # the flat parameters are already in this dtype; frozen ones and buffers follow
+    if zero.stage == 1:
+        state.grad_sync = ReduceAtBoundaryGradSync(state.flat_groups, group, bucket_numel=int(zero.reduce_bucket_size),
+                                                   predivide_factor=predivide)
+    else:
+        position = {id(p): i for i, p in enumerate(trainable)}
+        state.grad_sync = BucketedReduceGradSync(state.flat_groups, group, bucket_numel=int(zero.reduce_bucket_size),
+                                                 position=position, predivide_factor=predivide)
+    return state
 
 
 def _build_scheduler(raw_scheduler: Any, client: Any, optimizer: torch.optim.Optimizer | None) -> Any:
@@ -175,12 +207,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if omitted:
         log_rank0("%d parameter(s) require grad but are in no optimizer group and will not be trained (e.g. %s); "
                   "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=env.rank)
-    masters = MasterWeights(trainable, policy)  # fp32 copies taken before the cast: no rounding of masters
-    model.to(policy.param_dtype)
-    grad_sync = AllReduceGradSync(trainable, mesh.group("dp"), bucket_numel=int(cfg.zero_optimization.reduce_bucket_size),
-                                  device=env.device, predivide_factor=_predivide_factor(cfg, mesh))
-    torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, groups, masters,
-                                       {id(p) for p in trainable})
+    state = _build_state(cfg, groups, trainable, policy, mesh, model)
+    torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
+    if isinstance(torch_optimizer, Lamb) and isinstance(state, ShardedState):
+        raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stage 1/2 is not supported yet: its per-parameter "
+                                                     "trust ratios need whole parameters; use stage 0 or Adam/AdamW")
     if cfg.lr_scaling is not None and torch_optimizer is not None:
         factor = apply_lr_scaling(torch_optimizer, cfg.lr_scaling.rule, cfg.train_batch_size,
                                   cfg.lr_scaling.base_batch_size)
@@ -190,8 +221,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if cfg.scheduler is not None:  # absolute lrs in the schedule scale alike
             cfg.scheduler.params = scale_schedule_lrs(cfg.scheduler.params, factor)
     scheduler = _build_scheduler(cfg.scheduler, lr_scheduler, torch_optimizer)
-    engine = Engine(module=model, config=cfg, env=env, mesh=mesh, policy=policy, masters=masters,
-                    grad_sync=grad_sync, optimizer=torch_optimizer, lr_scheduler=scheduler,
+    engine = Engine(module=model, config=cfg, env=env, mesh=mesh, policy=policy, state=state,
+                    optimizer=torch_optimizer, lr_scheduler=scheduler,
                     loss_scaler=_loss_scaler(cfg), param_names={id(p): n for n, p in model.named_parameters()},
                     training_dataloader=_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu,
                                                     collate_fn, cfg.dataloader_drop_last))

@@ -3,8 +3,11 @@
 Layout of ``<save_dir>/<tag>/`` (written through ``checkpoint.atomic``):
 * ``model_states.pt``   (rank 0) module state dict by parameter name, counters, loss scaler,
                         LR scheduler, client state, the config and the layout it was saved on;
-* ``optim_states.pt``   (rank 0) optimizer state and fp32 master weights keyed by parameter
-                        *name* (not by position), so a reader can match them to any layout;
+* ``optim_states.pt``   (rank 0, ZeRO stage 0) optimizer state and fp32 master weights keyed by
+                        parameter *name* (not by position), so a reader can match them to any layout;
+* ``optim_states_rank{r}.pt`` (every rank, ZeRO stages 1-2) that rank's optimizer shard, with
+                        the parameter ranges it holds: per group, the (name, numel, offset) of
+                        every parameter in the flat layout and the rank's [start, end) slice;
 * ``rng_state_rank{r}.pt`` (every rank) torch / CUDA / Python / NumPy generators, so dropout
                         and sampling continue as if never interrupted.
 """
@@ -49,23 +52,30 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def optim_shard_file(rank: int) -> str:
+    return f"optim_states_rank{rank}.pt"
+
+
+def _position_names(engine: Engine) -> list[str]:
+    """Parameter names in the order of the optimizer's (master) parameters."""
+    weights = engine.state.weights
+    name_of_master = {id(weights.master_of(p)): engine.param_names[id(p)] for p in engine.state.params}
+    return [name_of_master[id(m)] for group in engine.optimizer.param_groups for m in group["params"]]
+
+
 def _optimizer_state_by_name(engine: Engine) -> dict:
-    """The optimizer's state dict with parameter positions replaced by parameter names."""
-    names = [engine.param_names[id(p)] for p in engine.masters.params]
-    position_of_master = {id(engine.masters.master_of(p)): i for i, p in enumerate(engine.masters.params)}
-    order = [names[position_of_master[id(m)]] for group in engine.optimizer.param_groups for m in group["params"]]
+    """Stage 0: the optimizer's state dict with parameter positions replaced by parameter names."""
+    order = _position_names(engine)
     raw = engine.optimizer.state_dict()
     state = {order[index]: value for index, value in raw["state"].items()}
     groups = [{**group, "params": [order[i] for i in group["params"]]} for group in raw["param_groups"]]
-    masters = ({name: m.detach().clone() for name, m in zip(names, engine.masters.masters)}
-               if engine.policy.mixed else {})
+    masters = ({engine.param_names[id(p)]: engine.state.weights.master_of(p).detach().clone()
+                for p in engine.state.params} if engine.policy.mixed else {})
     return {"state": state, "param_groups": groups, "fp32_masters": masters}
 
 
 def _load_optimizer_state_by_name(engine: Engine, saved: dict, path: Path) -> None:
-    names = [engine.param_names[id(p)] for p in engine.masters.params]
-    position_of_master = {id(engine.masters.master_of(p)): i for i, p in enumerate(engine.masters.params)}
-    order = [names[position_of_master[id(m)]] for group in engine.optimizer.param_groups for m in group["params"]]
+    order = _position_names(engine)
     saved_names = [n for group in saved["param_groups"] for n in group["params"]]
     if sorted(saved_names) != sorted(order):
         missing = sorted(set(order) - set(saved_names))[:3]
@@ -78,8 +88,36 @@ def _load_optimizer_state_by_name(engine: Engine, saved: dict, path: Path) -> No
     engine.optimizer.load_state_dict({"state": state, "param_groups": groups})
     if engine.policy.mixed:
         with torch.no_grad():
-            for name, master in zip(names, engine.masters.masters):
-                master.copy_(saved["fp32_masters"][name])
+            for p in engine.state.params:
+                engine.state.weights.master_of(p).copy_(saved["fp32_masters"][engine.param_names[id(p)]])
+
+
+def _shard_layout(engine: Engine) -> list[dict]:
+    """What a rank's optimizer shard covers: enough to check (and later reshape) it on load."""
+    return [{"params": [(engine.param_names[id(p)], p.numel(), offset)
+                        for p, offset in zip(fg.params, fg.layout.offsets)],
+             "shard": fg.layout.shard, "owned_range": fg.layout.owned_range(fg.rank)}
+            for fg in engine.state.flat_groups]
+
+
+def _sharded_optimizer_state(engine: Engine) -> dict:
+    return {"optimizer": engine.optimizer.state_dict(), "dp_world_size": engine.dp_world_size,
+            "layout": _shard_layout(engine),
+            "fp32_master_shards": [m.detach().clone() for m in engine.state.masters] if engine.policy.mixed else []}
+
+
+def _load_sharded_optimizer_state(engine: Engine, saved: dict, path: Path) -> None:
+    if saved["dp_world_size"] != engine.dp_world_size:
+        raise CheckpointError(f"{path} holds a ZeRO shard for {saved['dp_world_size']} data-parallel ranks; "
+                              f"loading it on {engine.dp_world_size} ranks is not supported yet (resume with "
+                              f"{saved['dp_world_size']} ranks)")
+    if saved["layout"] != _shard_layout(engine):
+        raise CheckpointError(f"{path} covers different parameters or ranges than this model's ZeRO layout")
+    engine.optimizer.load_state_dict(saved["optimizer"])
+    if engine.policy.mixed:
+        with torch.no_grad():
+            for master, shard in zip(engine.state.masters, saved["fp32_master_shards"]):
+                master.copy_(shard)
 
 
 def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_state: dict,
@@ -103,7 +141,10 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             "layout": {"dp_world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
                        "precision": engine.policy.name},
         }, staging / MODEL_FILE)
-        write_file_atomically(_optimizer_state_by_name(engine), staging / OPTIM_FILE)
+        if not engine.sharded and engine.optimizer is not None:
+            write_file_atomically(_optimizer_state_by_name(engine), staging / OPTIM_FILE)
+    if engine.sharded and engine.optimizer is not None:
+        write_file_atomically(_sharded_optimizer_state(engine), staging / optim_shard_file(engine.global_rank))
     write_file_atomically(_rng_state(), staging / rng_file(engine.global_rank))
     comm.barrier()
     if engine.global_rank == 0:
@@ -127,12 +168,25 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
         engine.module.load_state_dict(saved["module"], strict=load_module_strict)
     except RuntimeError as error:
         raise CheckpointError(f"{directory / MODEL_FILE} does not fit this model: {error}") from error
-    engine.masters.copy_from_model()
+    engine.state.reload_from_model()
     if load_module_only:
         return str(directory), saved["client_state"]
+    saved_stage, stage = saved["layout"]["zero_stage"], engine.zero_optimization_stage()
     if load_optimizer_states and engine.optimizer is not None:
-        _load_optimizer_state_by_name(engine, read_file(directory / OPTIM_FILE, "optimizer states"),
-                                      directory / OPTIM_FILE)
+        if (saved_stage == 0) != (stage == 0):
+            raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading its optimizer state at "
+                                  f"stage {stage} is not supported yet (load_module_only=True loads the weights)")
+        saved_dp = saved["layout"]["dp_world_size"]
+        if engine.sharded and saved_dp != engine.dp_world_size:
+            raise CheckpointError(f"{directory} holds ZeRO optimizer shards for {saved_dp} data-parallel ranks; "
+                                  f"loading them on {engine.dp_world_size} ranks is not supported yet (resume with "
+                                  f"{saved_dp} ranks, or pass load_optimizer_states=False)")
+        if engine.sharded:
+            path = directory / optim_shard_file(engine.global_rank)
+            _load_sharded_optimizer_state(engine, read_file(path, "optimizer shard"), path)
+        else:
+            _load_optimizer_state_by_name(engine, read_file(directory / OPTIM_FILE, "optimizer states"),
+                                          directory / OPTIM_FILE)
     if load_lr_scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     engine.loss_scaler.load_state_dict(saved["loss_scaler"])

@@ -2,9 +2,13 @@
 
 Two reasons to route everything here:
 
-* accounting -- each call adds the bytes this rank hands to the collective to a per-op
-  counter, so tests and benchmarks can check the per-step volume against theory
-  (read with ``comm_stats()``, reset with ``reset_comm_stats()``);
+* accounting -- each call adds its communication volume to a per-op counter, so tests and
+  benchmarks can check the per-step volume against theory (read with ``comm_stats()``, reset
+  with ``reset_comm_stats()``). Volume follows the ZeRO paper's convention, in bytes of the
+  full logical tensor: an all-reduce of S bytes counts 2S (it is a reduce-scatter plus an
+  all-gather), a reduce-scatter counts its full input S, an all-gather its full output S, a
+  reduce or broadcast its tensor S. Data parallel then moves 2 x model bytes per step, as do
+  ZeRO stages 1 and 2 (reduce-scatter + all-gather), and stage 3 moves 3x;
 * failure reporting -- a collective that fails or times out (a dead or diverging rank) is
   re-raised as ``CommError`` naming the op, this rank and the group size, instead of a bare
   gloo/NCCL message from deep inside.
@@ -105,7 +109,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=ReduceO
     """In-place all-reduce of ``tensor`` over ``group``."""
     if group is None:
         return Handle("all_reduce", None, None)
-    return _run("all_reduce", group, _nbytes(tensor),
+    return _run("all_reduce", group, 2 * _nbytes(tensor),
                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
 
@@ -136,8 +140,39 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dis
     if group is None:
         output.copy_(input)
         return Handle("all_gather", None, None)
-    return _run("all_gather", group, _nbytes(input),
+    return _run("all_gather", group, _nbytes(output),
                 lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+
+
+def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.ProcessGroup | None,
+               async_op: bool = False) -> Handle:
+    """Gather every rank's ``input`` into ``outputs[rank]`` (views into a larger buffer are fine)."""
+    if group is None:
+        outputs[0].copy_(input)
+        return Handle("all_gather", None, None)
+    return _run("all_gather", group, sum(_nbytes(o) for o in outputs),
+                lambda: dist.all_gather(outputs, input, group=group, async_op=async_op), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], group: dist.ProcessGroup | None,
+                   op=ReduceOp.SUM, async_op: bool = False) -> Handle:
+    """Reduce ``inputs[r]`` over ranks into rank r's ``output`` (list form: inputs may be views)."""
+    if group is None:
+        if output.data_ptr() != inputs[0].data_ptr():
+            output.copy_(inputs[0])
+        return Handle("reduce_scatter", None, None)
+    return _run("reduce_scatter", group, sum(_nbytes(i) for i in inputs),
+                lambda: dist.reduce_scatter(output, inputs, op=op, group=group, async_op=async_op), async_op)
+
+
+def reduce(tensor: torch.Tensor, dst_rank_in_group: int, group: dist.ProcessGroup | None, op=ReduceOp.SUM,
+           async_op: bool = False) -> Handle:
+    """Sum ``tensor`` over ``group`` into the rank with index ``dst_rank_in_group`` (others: undefined)."""
+    if group is None:
+        return Handle("reduce", None, None)
+    return _run("reduce", group, _nbytes(tensor),
+                lambda: dist.reduce(tensor, group_dst=dst_rank_in_group, op=op, group=group, async_op=async_op),
+                async_op)
 
 
 def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:

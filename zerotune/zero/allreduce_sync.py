@@ -36,7 +36,7 @@ class AllReduceGradSync:
         # Sum(g / pre) * pre / world == mean(g); pre > 1 keeps fp16/bf16 sums in range.
         self.pre_factor = float(predivide_factor)
         self.post_factor = self.pre_factor / world
-        self.buckets = GradientBuckets.build(self.params, bucket_numel, torch.float32, device, self._launch)
+        self.buckets = GradientBuckets.whole_params(self.params, bucket_numel, torch.float32, device, self._launch)
         self._handles: list[comm.Handle] = []
         self._communicating = False
         self._grads_in_buckets = all(p.dtype == torch.float32 for p in self.params)
@@ -90,8 +90,13 @@ class AllReduceGradSync:
         for p in self.params:
             p.grad = None
 
-    def buffer_bytes(self) -> int:
+    def grad_bytes(self) -> int:
+        """The fp32 buckets *are* the gradient storage."""
         return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets.buckets)
+
+    def buffer_bytes(self) -> int:
+        """No communication buffers beyond the gradients themselves."""
+        return 0
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

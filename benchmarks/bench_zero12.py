@@ -1,0 +1,388 @@
+"""ZeRO stages 0, 1 and 2 against torch DDP, ZeroRedundancyOptimizer + DDP and FSDP2, one run.
+
+    python benchmarks/bench_zero12.py                              # all methods, 2 gloo ranks on CPU
+    python benchmarks/bench_zero12.py --methods ddp,stage1,stage2  # a subset
+    python benchmarks/bench_zero12.py --steps 4 --warmup 1         # smoke test
+
+Workload (as in shared/REFERENCE.md and bench_dp_vs_ddp.py): random-init GPT-2, 4 layers, width 256,
+vocab 8192, sequence 128, micro-batch 4 per rank, AdamW, fp32, no clipping, one thread per rank.
+
+Timing: every method is built in the same rank processes and their steps are interleaved in a
+rotating order, so the machine's noise -- large on 2 shared cores -- hits all methods alike; a
+step's time is the slowest rank's, and "x DDP" compares medians.
+
+Memory: per-rank model state (params + grads + optimizer state + communication buffers), counted
+as distinct tensor storages right after backward and right after the optimizer step (the larger
+of the two), so gradients are counted whether or not a method frees them between steps. Both
+DDP baselines use ``gradient_as_bucket_view=True``: their gradients then *are* DDP's buckets and
+the storages count everything (with torch's default ``False`` DDP holds the buckets and separate
+gradients, 20 Psi bytes, and the buckets are invisible from Python). FSDP2 counts the local
+shards of its DTensors; zerotune counts every tensor reachable from the engine (its optimizer,
+masters, gradient buckets and partitions), next to ``engine.memory_breakdown()`` when present.
+The two can differ for stage 2: its buckets live only while in flight, so the snapshot after
+backward sees the ones still in flight, while the breakdown reports their bound.
+
+Communication: the zerotune stages' bytes for one optimizer step, read from
+``zerotune.comm.comm_stats()`` (ZeRO paper convention), against theory's 2 x 4 x Psi bytes.
+
+A zerotune stage whose ``initialize`` raises ``NotSupportedYetError`` is reported as
+"not available"; a torch method that fails to build or to run its first step here is reported
+as "not runnable here" with the exception.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import json
+import os
+import statistics
+import sys
+import tempfile
+import traceback
+import types
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_dp_vs_ddp import MODEL, _batch, _free_port, _storage_bytes, _timed  # noqa: E402
+
+METHODS = ("ddp", "zero_optimizer_ddp", "fsdp2", "stage0", "stage1", "stage2")
+ZEROTUNE_STAGES = {"stage0": 0, "stage1": 1, "stage2": 2}
+
+
+def theoretical_fraction(method: str, world: int) -> float:
+    """Model state x DDP for fp32 + Adam: params 4, grads 4, Adam moments 8 bytes per element (no
+    separate master copy in fp32); stage 1 shards the 8, stage 2 the 4 + 8, FSDP2 (stage 3) all 16."""
+    sharded = {"ddp": 0, "stage0": 0, "zero_optimizer_ddp": 8, "stage1": 8, "stage2": 12, "fsdp2": 16}[method]
+    return (16 - sharded + sharded / world) / 16
+
+
+@dataclass
+class Built:
+    """One method ready to train: one step is ``forward_backward`` then ``optimizer_step``."""
+
+    forward_backward: Callable[[int], None]
+    optimizer_step: Callable[[], None]
+    state_tensors: Callable[[], list[torch.Tensor]]
+    breakdown: Callable[[], dict[str, int] | None] = lambda: None
+    counts_comm: bool = False  # its collectives go through zerotune.comm
+
+
+def _optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [t for state in optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor)]
+
+
+def _local(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    """The rank-local shard of a DTensor (FSDP2), the tensor itself otherwise."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+_LEAVES = (str, bytes, int, float, bool, complex, type(None), type, types.FunctionType, types.MethodType,
+           types.BuiltinFunctionType, types.ModuleType)
+
+
+def reachable_tensors(roots: Iterable[Any]) -> list[torch.Tensor]:
+    """Every tensor reachable from ``roots`` through containers and object attributes.
+
+    Why a walk and not named fields: the stage 1/2 engine keeps gradient partitions and
+    communication buffers in objects whose names this benchmark should not depend on. Modules
+    are not entered (their parameters are counted by the caller); functions and closures are
+    not followed.
+    """
+    found, seen, stack = [], set(), list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, _LEAVES) or isinstance(obj, torch.nn.Module):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            found.append(obj)
+            if obj.grad is not None:
+                stack.append(obj.grad)
+        elif isinstance(obj, dict):
+            stack.extend(obj.keys())
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset, collections.deque)):
+            stack.extend(obj)
+        else:
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            for slot in getattr(type(obj), "__slots__", ()):
+                if isinstance(slot, str) and hasattr(obj, slot):
+                    stack.append(getattr(obj, slot))
+    return found
+
+
+def _build_ddp(model: torch.nn.Module, rank: int, args: argparse.Namespace, device: torch.device,
+               sharded_optimizer: bool) -> Built:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    wrapped = DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=True)
+    if sharded_optimizer:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4)
+        local_optimizer = optimizer.optim  # AdamW over this rank's share of the parameters
+    else:
+        optimizer = local_optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def forward_backward(step: int) -> None:
+        wrapped(**_batch(step, rank, args.micro, args.seq, device)).loss.backward()
+
+    def optimizer_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def state_tensors() -> list[torch.Tensor]:
+        params = list(model.parameters())
+        return params + [p.grad for p in params] + _optimizer_state_tensors(local_optimizer)
+    return Built(forward_backward, optimizer_step, state_tensors)
+
+
+def _build_fsdp2(model: torch.nn.Module, rank: int, args: argparse.Namespace, device: torch.device) -> Built:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (args.world,))
+    for block in model.transformer.h:  # GPT2Block
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)  # ZeRO-2-like: no re-gather in backward
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+    def forward_backward(step: int) -> None:
+        model(**_batch(step, rank, args.micro, args.seq, device)).loss.backward()
+
+    def optimizer_step() -> None:
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    def state_tensors() -> list[torch.Tensor]:
+        params = list(model.parameters())
+        tensors = params + [p.grad for p in params] + _optimizer_state_tensors(optimizer)
+        return [_local(t) for t in tensors]
+    return Built(forward_backward, optimizer_step, state_tensors)
+
+
+def _build_zerotune(model: torch.nn.Module, stage: int, rank: int, args: argparse.Namespace,
+                    device: torch.device) -> Built:
+    import zerotune
+
+    # Stage 0 all-reduces with DDP's bucket bytes; stages 1/2 use their own (smaller) buckets,
+    # which a stage-2 rank keeps on top of its gradient partition.
+    bucket = int(args.bucket_mb * 2**20 / 4) if stage == 0 else int(args.zero_bucket_mb * 2**20 / 4)
+    config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10**9,
+              "gradient_clipping": 0.0,
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}}
+    engine, optimizer, _, _ = zerotune.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def forward_backward(step: int) -> None:
+        engine.backward(engine(**_batch(step, rank, args.micro, args.seq, device)).loss)
+
+    def state_tensors() -> list[torch.Tensor]:
+        engine_state = {key: value for key, value in vars(engine).items()
+                        if key not in ("monitor", "reporter", "timers", "training_dataloader")}
+        params = list(model.parameters())
+        return params + [p.grad for p in params] + reachable_tensors([engine_state, optimizer])
+
+    def breakdown() -> dict[str, int] | None:
+        return dict(engine.memory_breakdown()) if hasattr(engine, "memory_breakdown") else None
+    return Built(forward_backward, engine.step, state_tensors, breakdown, counts_comm=True)
+
+
+def build(method: str, rank: int, args: argparse.Namespace, device: torch.device) -> Built:
+    """A fresh GPT-2 (same init for every method) wrapped by ``method``."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(**MODEL, n_ctx=args.seq, bos_token_id=0, eos_token_id=0)).to(device)
+    if method in ("ddp", "zero_optimizer_ddp"):
+        return _build_ddp(model, rank, args, device, sharded_optimizer=method == "zero_optimizer_ddp")
+    if method == "fsdp2":
+        return _build_fsdp2(model, rank, args, device)
+    return _build_zerotune(model, ZEROTUNE_STAGES[method], rank, args, device)
+
+
+def _try(method: str, action: Callable[[], Any]) -> tuple[Any, str | None]:
+    """Run ``action``; a failure becomes the reason shown in the table instead of the run's end."""
+    from zerotune.config import NotSupportedYetError
+
+    try:
+        return action(), None
+    except NotSupportedYetError as error:
+        return None, f"not available: {error}"
+    except Exception as error:  # noqa: BLE001 - reported in the table; the other methods still run
+        traceback.print_exc()
+        kind = "not available" if method in ZEROTUNE_STAGES else "not runnable here"
+        return None, f"{kind}: {type(error).__name__}: {error}"
+
+
+def _agree(reasons: dict[str, str | None], world: int) -> dict[str, str | None]:
+    """A method dropped on any rank is dropped on all, so the ranks keep issuing the same collectives."""
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, reasons)
+    return {m: next((r[m] for r in gathered if r[m] is not None), None) for m in reasons}
+
+
+def _measure_step(built: Built, step: int) -> dict:
+    """One untimed step: model state after backward and after the update, and its comm volume."""
+    from zerotune import comm
+
+    comm.reset_comm_stats()
+    built.forward_backward(step)
+    after_backward = _storage_bytes(built.state_tensors())
+    built.optimizer_step()
+    stats = comm.comm_stats()
+    return {"model_state_bytes": max(after_backward, _storage_bytes(built.state_tensors())),
+            "breakdown": built.breakdown(),
+            "comm_bytes": sum(s.bytes for s in stats.values()) if built.counts_comm else None,
+            "comm_ops": {op: [s.calls, s.bytes] for op, s in stats.items()} if built.counts_comm else None}
+
+
+def _train_step(built: Built, step: int) -> None:
+    built.forward_backward(step)
+    built.optimizer_step()
+
+
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
+    """All methods in the same processes: built, warmed up (the first step may fail: then dropped),
+    timed in a rotating order, then one measured step each."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(args.threads)
+    import zerotune
+
+    device = zerotune.init_distributed().device
+    built: dict[str, Built] = {}
+    reasons: dict[str, str | None] = {}
+    for method in args.methods:
+        built[method], reasons[method] = _try(method, lambda: build(method, rank, args, device))
+    reasons = _agree(reasons, world)
+    for method in [m for m in args.methods if reasons[m] is None]:
+        reasons[method] = _try(method, functools.partial(_train_step, built[method], 0))[1]
+    reasons = _agree(reasons, world)
+    running = [m for m in args.methods if reasons[m] is None]
+    for step in range(1, args.warmup):
+        for method in running:
+            _train_step(built[method], step)
+    first = max(args.warmup, 1)
+    times: dict[str, list[float]] = {m: [] for m in running}
+    for step in range(args.steps):
+        shift = step % max(len(running), 1)
+        for method in running[shift:] + running[:shift]:
+            times[method].append(_timed(functools.partial(_train_step, built[method]), first + step, device))
+    measured = {m: _measure_step(built[m], first + args.steps) for m in running}
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, {"reasons": reasons, "times": times, "measured": measured})
+    if rank == 0:
+        with open(os.path.join(out_dir, "result.json"), "w") as handle:
+            json.dump(gathered, handle)
+    dist.destroy_process_group()
+
+
+def run_ranks(args: argparse.Namespace) -> list[dict]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_rank_main, args=(args.world, _free_port(), args, out_dir), nprocs=args.world,
+                           start_method="spawn", join=True)
+        with open(os.path.join(out_dir, "result.json")) as handle:
+            return json.load(handle)
+
+
+def model_numel(args: argparse.Namespace) -> int:
+    """Psi: distinct parameter elements (GPT-2 ties the LM head to the token embedding)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(**MODEL, n_ctx=args.seq, bos_token_id=0, eos_token_id=0))
+    return sum(p.numel() for p in model.parameters())
+
+
+def _parse_methods(text: str) -> tuple[str, ...]:
+    chosen = tuple(m.strip() for m in text.split(",") if m.strip())
+    unknown = [m for m in chosen if m not in METHODS]
+    if unknown or not chosen:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown or [text]}; choose from {', '.join(METHODS)}")
+    return chosen
+
+
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def report(per_rank: list[dict], args: argparse.Namespace, psi: int) -> None:
+    """One table: time and model state x DDP, model state against theory, zerotune comm against 2 x 4 x Psi."""
+    reasons = per_rank[0]["reasons"]
+    running = [m for m in args.methods if reasons[m] is None]
+    # The slowest rank sets each step's time; compare medians of interleaved steps.
+    step_s = {m: statistics.median(max(r["times"][m][i] for r in per_rank) for i in range(args.steps))
+              for m in running}
+    state = {m: max(r["measured"][m]["model_state_bytes"] for r in per_rank) for m in running}
+    base_s, base_state = step_s.get("ddp"), state.get("ddp")
+    ideal_comm = 2 * 4 * psi
+    print(f"GPT-2 {MODEL} ({psi / 1e6:.2f}M params), {args.world} rank(s), micro-batch {args.micro} x seq "
+          f"{args.seq}, AdamW fp32, {args.steps} interleaved steps per method; buckets: DDP/stage 0 "
+          f"{args.bucket_mb:g} MiB, stages 1/2 {args.zero_bucket_mb:g} MiB")
+    header = (f"{'method':<19} {'ms/step':>8} {'x DDP':>6} {'state MiB/rank':>14} {'x DDP':>6} {'theory':>6} "
+              f"{'breakdown MiB':>13} {'comm MiB/step':>13} {'x 8Psi':>6}")
+    print(header)
+    print("-" * len(header))
+    for method in args.methods:
+        if reasons[method] is not None:
+            print(f"{method:<19} {reasons[method]}")
+            continue
+        measured = per_rank[0]["measured"][method]
+        breakdown = measured["breakdown"]
+        comm_bytes = measured["comm_bytes"]
+        print(f"{method:<19} {step_s[method] * 1e3:>8.1f} "
+              f"{step_s[method] / base_s if base_s else float('nan'):>6.3f} {_mib(state[method]):>14} "
+              f"{state[method] / base_state if base_state else float('nan'):>6.3f} "
+              f"{theoretical_fraction(method, args.world):>6.3f} "
+              f"{_mib(sum(breakdown.values())) if breakdown else '-':>13} "
+              f"{_mib(comm_bytes) if comm_bytes is not None else '-':>13} "
+              f"{f'{comm_bytes / ideal_comm:.3f}' if comm_bytes is not None else '-':>6}")
+    print(f"(theory: fp32 + Adam model state x DDP at N={args.world}; 8Psi = 2 x 4 x Psi = {_mib(ideal_comm)} MiB, "
+          "the per-step volume of DP and ZeRO-1/2 in the ZeRO paper's convention)")
+    for method in running:
+        measured = per_rank[0]["measured"][method]
+        if measured["breakdown"]:
+            parts = ", ".join(f"{k} {_mib(v)}" for k, v in measured["breakdown"].items())
+            print(f"  {method} memory_breakdown (MiB, rank 0): {parts}")
+        if measured["comm_ops"]:
+            parts = ", ".join(f"{op} {calls} calls {_mib(nbytes)} MiB" for op, (calls, nbytes) in
+                              measured["comm_ops"].items())
+            print(f"  {method} comm per step (rank 0): {parts}")
+
+    def ratio(method: str) -> str:
+        return f"{step_s[method] / base_s:.2f}" if method in step_s and base_s else "n/a"
+    print(f"\nstep-time ratio stage1/DDP = {ratio('stage1')}, stage2/DDP = {ratio('stage2')} (target <= 1.00)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="DDP's bucket_cap_mb; the same bytes for zerotune stage 0's all-reduce buckets")
+    parser.add_argument("--zero-bucket-mb", type=float, default=2.0,
+                        help="stages 1/2 reduce_bucket_size and allgather_bucket_size, in MiB of fp32")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--methods", type=_parse_methods, default=METHODS,
+                        help=f"comma-separated subset of {','.join(METHODS)}")
+    args = parser.parse_args()
+    if args.steps < 1 or args.world < 1:
+        parser.error(f"--steps and --world must be >= 1 (got --steps {args.steps}, --world {args.world})")
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # as bench_dp_vs_ddp.py (REFERENCE.md)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    report(run_ranks(args), args, model_numel(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""ZeRO stage 0 (data parallel): every rank holds all master weights and optimizer state.
+
+The counterpart of ``sharded_state.ShardedState`` with the same methods, so the engine runs one
+step recipe for every stage. Gradients come from ``AllReduceGradSync`` (fp32, already averaged
+and identical on all ranks), so the global norm needs no communication.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from zerotune.precision.policy import MasterWeights, PrecisionPolicy
+from zerotune.zero.allreduce_sync import AllReduceGradSync
+
+
+class ReplicatedState:
+    """Full fp32 masters (or the parameters themselves in fp32) and the all-reduce gradient sync."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], policy: PrecisionPolicy,
+                 grad_sync: AllReduceGradSync) -> None:
+        """Call while the parameters still hold their fp32 values: masters are taken before rounding."""
+        self.policy = policy
+        self.weights = MasterWeights(params, policy)
+        self.grad_sync = grad_sync
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return self.weights.params
+
+    @property
+    def masters(self) -> list[torch.nn.Parameter]:
+        return self.weights.masters
+
+    def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
+        """The user's param groups with each trainable parameter replaced by its master."""
+        trainable = {id(p) for p in self.params}
+        return [{**group, "params": [self.weights.master_of(p) for p in group["params"] if id(p) in trainable]}
+                for group in groups]
+
+    def step_grads(self) -> list[torch.Tensor]:
+        return [self.grad_sync.grad_of(p) for p in self.params]
+
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
+
+    def attach(self, grads: Sequence[torch.Tensor]) -> None:
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad
+
+    def update_model(self) -> None:
+        self.weights.copy_to_model()
+
+    def reload_from_model(self) -> None:
+        self.weights.copy_from_model()
+
+    def first_nonfinite_param(self, names: dict[int, str]) -> str:
+        for param in self.params:
+            if not torch.isfinite(self.grad_sync.grad_of(param)).all():
+                return names.get(id(param), "<unnamed>")
+        return "<none found>"
+
+    def master_bytes(self) -> int:
+        return self.weights.master_bytes()
+
+    def zero_grad(self) -> None:
+        self.grad_sync.zero_grad()
+        for master in self.masters:
+            master.grad = None

@@ -1,0 +1,126 @@
+"""ZeRO stages 1 and 2: fp32 master weights and optimizer state for this rank's slice only.
+
+Each optimizer param group becomes one flat fp32 "master shard" parameter -- this rank's slice
+of the group's flat parameters (``flat_params.FlatParamGroup``). The torch optimizer (any of
+them: AdamW, SGD, a client one...) runs on these shards with each group's own
+hyperparameters, so ``optimizer.param_groups[i]["lr"]`` keeps its meaning. One step:
+
+1. the gradient sync strategy (stage 1 or 2) has left this rank's summed gradient slice;
+2. the global norm comes from the slices (one all-reduce of the squared norm), so clipping
+   and fp16 overflow decisions are identical on every rank;
+3. the optimizer updates the master shards; the slices are rounded into the model's flat
+   parameters and all-gathered (``allgather_bucket_size``) so every rank has the full model.
+
+In fp32 the master shard is a view of the model's flat parameters: no second copy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotune.distributed import comm
+from zerotune.precision.policy import PrecisionPolicy
+from zerotune.zero.flat_params import FlatParamGroup
+from zerotune.zero.partition import FlatLayout, flat_layout
+
+
+def _own_fp32_slice(params: Sequence[torch.nn.Parameter], layout: FlatLayout, rank: int) -> torch.Tensor:
+    """This rank's slice of the group's flat parameters, gathered piecewise from the (fp32) parameters."""
+    start, end = layout.owned_range(rank)
+    device = params[0].device if params else torch.device("cpu")
+    shard = torch.zeros(end - start, dtype=torch.float32, device=device)
+    for piece in layout.owned_pieces(rank):
+        source = params[piece.param].detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.length]
+        shard[piece.flat_offset - start:piece.flat_offset - start + piece.length] = source.float()
+    return shard
+
+
+class ShardedState:
+    """Flat parameters + master shards of every param group, and the step phases that use them."""
+
+    def __init__(self, group_params: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
+                 group: dist.ProcessGroup | None, *, allgather_bucket_numel: int) -> None:
+        """Call while the parameters still hold their fp32 values: masters are taken before rounding."""
+        self.policy = policy
+        self.group = group
+        self.rank = 0 if group is None else dist.get_rank(group)
+        world = 1 if group is None else dist.get_world_size(group)
+        self.allgather_bucket_numel = allgather_bucket_numel
+        self.flat_groups: list[FlatParamGroup] = []
+        self.masters: list[torch.nn.Parameter] = []
+        for params in group_params:
+            layout = flat_layout([p.numel() for p in params], world)
+            fp32_slice = _own_fp32_slice(params, layout, self.rank) if policy.mixed else None
+            fg = FlatParamGroup(params, world, self.rank, dtype=policy.param_dtype)
+            self.flat_groups.append(fg)
+            # fp32: the master shard *is* the model's slice (a view); mixed: a separate fp32 copy.
+            self.masters.append(torch.nn.Parameter(fp32_slice if policy.mixed else fg.owned))
+        self.grad_sync = None
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for fg in self.flat_groups for p in fg.params]
+
+    def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
+        """The user's param groups (hyperparameters kept) with their master shard as the only parameter."""
+        return [{**{k: v for k, v in group.items() if k != "params"}, "params": [master]}
+                for group, master in zip(groups, self.masters)]
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """fp32 gradients of the master shards (a transient fp32 copy when training in bf16/fp16)."""
+        return [self.grad_sync.shard_grad(g).float() for g in range(len(self.flat_groups))]
+
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        """Global L2 norm from the slices: one all-reduce of the summed squares."""
+        squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
+        for grad in grads:
+            squares += grad.double().pow(2).sum()
+        comm.all_reduce(squares, self.group)
+        return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
+
+    def attach(self, grads: Sequence[torch.Tensor]) -> None:
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad
+
+    @torch.no_grad()
+    def update_model(self) -> None:
+        """Round the updated master slices into the flat parameters, then all-gather every rank's slice."""
+        for fg, master in zip(self.flat_groups, self.masters):
+            if self.policy.mixed:
+                fg.owned.copy_(master)
+            fg.all_gather(self.group, self.allgather_bucket_numel)
+
+    @torch.no_grad()
+    def reload_from_model(self) -> None:
+        """Refresh the master slices from the model (after loading weights into the module only)."""
+        if self.policy.mixed:
+            for fg, master in zip(self.flat_groups, self.masters):
+                master.copy_(fg.owned)
+
+    def first_nonfinite_param(self, names: dict[int, str]) -> str:
+        """Name of the first parameter (in model order, over all ranks' slices) with an inf/nan gradient."""
+        local = None
+        for g, fg in enumerate(self.flat_groups):
+            grad = self.grad_sync.shard_grad(g)
+            start = fg.layout.owned_range(fg.rank)[0]
+            for piece in fg.layout.owned_pieces(fg.rank):
+                part = grad[piece.flat_offset - start:piece.flat_offset - start + piece.length]
+                if not torch.isfinite(part).all():
+                    local = names.get(id(fg.params[piece.param]), "<unnamed>")
+                    break
+            if local:
+                break
+        found = [name for name in comm.all_gather_object(local, self.group) if name]
+        return found[0] if found else "<none found>"
+
+    def master_bytes(self) -> int:
+        return sum(m.numel() * m.element_size() for m in self.masters) if self.policy.mixed else 0
+
+    def zero_grad(self) -> None:
+        self.grad_sync.zero_grad()
+        for master in self.masters:
+            master.grad = None

@@ -1,0 +1,149 @@
+"""ZeRO stage 2 gradient sync: reduce each bucket to its owner during backward.
+
+Full-size gradients never persist. As autograd produces a parameter's gradient, a hook copies
+it into the bucket(s) covering it and drops ``param.grad``. Buckets are cut at the boundaries
+between ranks' slices (``partition.FlatLayout``), so every bucket has exactly one owner; a
+complete bucket is reduced to its owner asynchronously while backward goes on, and the owner
+adds it into its contiguous gradient slice (``contiguous_gradients``). At most
+``max_in_flight`` buckets exist at once, so gradient memory is one slice plus a few buckets.
+
+Every micro-step communicates (accumulating full gradients locally would cost stage 1's
+memory); the owner's slice accumulates across micro-steps.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotune.distributed import comm
+from zerotune.distributed.buckets import Bucket, BucketPiece, GradientBuckets
+from zerotune.zero.flat_params import FlatParamGroup
+from zerotune.zero.partition import split_at_owner_boundaries
+
+
+@dataclass(frozen=True)
+class ReduceTarget:
+    """Where a bucket's reduced sum goes: ``owner``'s slice of group ``group``, flat range [lo, hi)."""
+
+    group: int
+    owner: int
+    lo: int
+    hi: int
+
+
+def plan_buckets(flat_groups: Sequence[FlatParamGroup], bucket_numel: int,
+                 position: dict[int, int]) -> tuple[list[list[BucketPiece]], list[ReduceTarget]]:
+    """Cut each group's flat range, from its end, at owner boundaries and every ``bucket_numel``.
+
+    Buckets are ordered by when their gradients should be ready: the last parameters of the
+    model (highest ``position``) first, as backward produces them.
+    """
+    planned = []
+    for g, fg in enumerate(flat_groups):
+        for owner, span_lo, span_hi in split_at_owner_boundaries(fg.layout, 0, fg.layout.total):
+            hi = span_hi
+            while hi > span_lo:
+                lo = max(span_lo, hi - bucket_numel)
+                pieces = [BucketPiece(fg.params[p.param], p.param_offset, p.length, p.flat_offset - lo)
+                          for p in fg.layout.pieces_in(lo, hi)]
+                planned.append((pieces, ReduceTarget(g, owner, lo, hi)))
+                hi = lo
+    planned.sort(key=lambda item: -max(position[id(piece.param)] for piece in item[0]))
+    return [pieces for pieces, _ in planned], [target for _, target in planned]
+
+
+class BucketedReduceGradSync:
+    """Only the owner keeps a gradient slice; buckets are reduced to it as backward runs."""
+
+    def __init__(self, flat_groups: Sequence[FlatParamGroup], group: dist.ProcessGroup | None, *,
+                 bucket_numel: int, position: dict[int, int], predivide_factor: float = 1.0,
+                 max_in_flight: int = 2) -> None:
+        self.flat_groups = list(flat_groups)
+        self.group = group
+        world = 1 if group is None else dist.get_world_size(group)
+        self.pre_factor = float(predivide_factor)
+        self.post_factor = self.pre_factor / world
+        self.max_in_flight = max_in_flight
+        self.grad_shards = [torch.zeros(fg.layout.shard, dtype=fg.buffer.dtype, device=fg.buffer.device)
+                            for fg in self.flat_groups]
+        dtype = self.grad_shards[0].dtype if self.grad_shards else torch.float32
+        device = self.grad_shards[0].device if self.grad_shards else torch.device("cpu")
+        bucket_pieces, targets = plan_buckets(self.flat_groups, bucket_numel, position)
+        self.buckets = GradientBuckets.from_pieces(bucket_pieces, dtype, device, self._launch, targets)
+        self._in_flight: deque[tuple[Bucket, comm.Handle]] = deque()
+        self._round_open = False
+        params = [p for fg in self.flat_groups for p in fg.params]
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Every micro-step is a communication round; close the previous one first."""
+        del is_boundary
+        if self._round_open:
+            self._complete_round()
+        self.buckets.start_round()
+        self._round_open = True
+
+    def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        for bucket, piece in self.buckets.pieces_of[id(param)]:
+            bucket.view(piece).copy_(piece.of(param.grad))
+        param.grad = None
+        if self._round_open:
+            self.buckets.mark_ready(param)
+
+    def _launch(self, bucket: Bucket) -> None:
+        buffer = bucket.ensure_buffer()  # a bucket nobody wrote (unused parameters) reduces zeros
+        if self.pre_factor != 1.0:
+            buffer.div_(self.pre_factor)
+        self._in_flight.append((bucket, comm.reduce(buffer, bucket.target.owner, self.group, async_op=True)))
+        while len(self._in_flight) > self.max_in_flight:
+            self._retire_oldest()
+
+    def _retire_oldest(self) -> None:
+        bucket, handle = self._in_flight.popleft()
+        handle.wait()
+        target = bucket.target
+        fg = self.flat_groups[target.group]
+        if target.owner == fg.rank:
+            start = fg.layout.owned_range(fg.rank)[0]
+            self.grad_shards[target.group][target.lo - start:target.hi - start].add_(bucket.buffer,
+                                                                                     alpha=self.post_factor)
+        bucket.buffer = None
+
+    def _complete_round(self) -> None:
+        self.buckets.launch_remaining()
+        while self._in_flight:
+            self._retire_oldest()
+        self._round_open = False
+
+    def finish(self) -> None:
+        """Complete the boundary micro-step's reductions; ``shard_grad(g)`` then holds the mean gradient."""
+        if self._round_open:
+            self._complete_round()
+
+    def shard_grad(self, group_index: int) -> torch.Tensor:
+        return self.grad_shards[group_index]
+
+    def zero_grad(self) -> None:
+        for shard in self.grad_shards:
+            shard.zero_()
+        for fg in self.flat_groups:
+            for param in fg.params:
+                param.grad = None
+
+    def grad_bytes(self) -> int:
+        return sum(s.numel() * s.element_size() for s in self.grad_shards)
+
+    def buffer_bytes(self) -> int:
+        """Bucket memory at its bound: the largest ``max_in_flight + 1`` buckets (one filling, the rest in flight)."""
+        sizes = sorted((b.numel for b in self.buckets.buckets), reverse=True)[:self.max_in_flight + 1]
+        return sum(sizes) * (self.grad_shards[0].element_size() if self.grad_shards else 4)
+
+    def remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
