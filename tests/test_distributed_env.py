@@ -227,7 +227,7 @@ def test_plain_python_is_a_world_of_one_on_gloo():
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result == {"rank": 0, "world": 1, "local": 0, "backend": "gloo", "device": "cpu", "pg_world": 1,
-                      "dp_size": 1, "dp_group_real": True, "sum": [1.0, 1.0, 1.0], "bytes": 12, "again": 1}
+                      "dp_size": 1, "dp_group_real": True, "sum": [1.0, 1.0, 1.0], "bytes": 24, "again": 1}
 
 
 def _env_on_rank() -> tuple:
