@@ -173,13 +173,16 @@ def _build_zerotune(model: torch.nn.Module, stage: int, rank: int, args: argpars
                     device: torch.device) -> Built:
     import zerotune
 
-    # Stage 0 all-reduces with DDP's bucket bytes; stages 1/2 use their own (smaller) buckets,
-    # which a stage-2 rank keeps on top of its gradient partition.
-    bucket = int(args.bucket_mb * 2**20 / 4) if stage == 0 else int(args.zero_bucket_mb * 2**20 / 4)
+    # Collectives use DDP's bucket bytes, except stage 2's reduce buckets: a stage-2 rank keeps
+    # those on top of its gradient partition, so they are smaller. (Stage 1 holds full gradients
+    # anyway, and all-gathers write in place into the parameters: large chunks cost no memory.)
+    large = int(args.bucket_mb * 2**20 / 4)
+    reduce_bucket = int(args.zero_bucket_mb * 2**20 / 4) if stage == 2 else large
     config = {"train_micro_batch_size_per_gpu": args.micro, "gradient_accumulation_steps": 1,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10**9,
               "gradient_clipping": 0.0,
-              "zero_optimization": {"stage": stage, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}}
+              "zero_optimization": {"stage": stage, "reduce_bucket_size": reduce_bucket,
+                                    "allgather_bucket_size": large}}
     engine, optimizer, _, _ = zerotune.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def forward_backward(step: int) -> None:
@@ -326,7 +329,7 @@ def report(per_rank: list[dict], args: argparse.Namespace, psi: int) -> None:
     ideal_comm = 2 * 4 * psi
     print(f"GPT-2 {MODEL} ({psi / 1e6:.2f}M params), {args.world} rank(s), micro-batch {args.micro} x seq "
           f"{args.seq}, AdamW fp32, {args.steps} interleaved steps per method; buckets: DDP/stage 0 "
-          f"{args.bucket_mb:g} MiB, stages 1/2 {args.zero_bucket_mb:g} MiB")
+          f"{args.bucket_mb:g} MiB, stage-2 reduce buckets {args.zero_bucket_mb:g} MiB")
     header = (f"{'method':<19} {'ms/step':>8} {'x DDP':>6} {'state MiB/rank':>14} {'x DDP':>6} {'theory':>6} "
               f"{'breakdown MiB':>13} {'comm MiB/step':>13} {'x 8Psi':>6}")
     print(header)
@@ -371,8 +374,8 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="DDP's bucket_cap_mb; the same bytes for zerotune stage 0's all-reduce buckets")
-    parser.add_argument("--zero-bucket-mb", type=float, default=2.0,
-                        help="stages 1/2 reduce_bucket_size and allgather_bucket_size, in MiB of fp32")
+    parser.add_argument("--zero-bucket-mb", type=float, default=4.0,
+                        help="stage 2's reduce_bucket_size in MiB of fp32 (its in-flight gradient buckets)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--methods", type=_parse_methods, default=METHODS,
                         help=f"comma-separated subset of {','.join(METHODS)}")

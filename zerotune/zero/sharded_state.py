@@ -76,9 +76,10 @@ class ShardedState:
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         """Global L2 norm from the slices: one all-reduce of the summed squares."""
-        squares = torch.zeros((), dtype=torch.float64, device=grads[0].device if grads else "cpu")
-        for grad in grads:
-            squares += grad.double().pow(2).sum()
+        device = grads[0].device if grads else torch.device("cpu")
+        squares = torch.zeros((), dtype=torch.float64, device=device)
+        if grads:  # per-slice norms in fp32 (cascaded sums: accurate), squared and summed in fp64
+            squares += torch.stack(torch._foreach_norm(list(grads))).double().pow(2).sum()
         comm.all_reduce(squares, self.group)
         return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
 
