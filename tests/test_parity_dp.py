@@ -31,7 +31,8 @@ def _config(world: int, micro: int, opt_type: str, precision: str, stage: int) -
         "gradient_clipping": CLIP,
         "optimizer": {"type": opt_type, "params": OPTIMIZERS[opt_type][0]},
         # small buckets: several collectives (and parameters split across buckets) even for tiny models
-        "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200},
+        "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200,
+                              "overlap_comm": world == 4},  # stage 2: both the async and the blocking path
         "steps_per_print": 1000,
     }
     if precision == "bf16":

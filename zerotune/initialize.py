@@ -157,7 +157,8 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
     else:
         position = {id(p): i for i, p in enumerate(trainable)}
         state.grad_sync = BucketedReduceGradSync(state.flat_groups, group, bucket_numel=int(zero.reduce_bucket_size),
-                                                 position=position, predivide_factor=predivide)
+                                                 position=position, predivide_factor=predivide,
+                                                 max_in_flight=2 if zero.overlap_comm else 0)
     return state
 
 

@@ -3,9 +3,10 @@
 Full-size gradients never persist. As autograd produces a parameter's gradient, a hook copies
 it into the bucket(s) covering it and drops ``param.grad``. Buckets are cut at the boundaries
 between ranks' slices (``partition.FlatLayout``), so every bucket has exactly one owner; a
-complete bucket is reduced to its owner asynchronously while backward goes on, and the owner
-adds it into its contiguous gradient slice (``contiguous_gradients``). At most
-``max_in_flight`` buckets exist at once, so gradient memory is one slice plus a few buckets.
+complete bucket is reduced to its owner -- asynchronously while backward goes on with
+``overlap_comm`` (at most ``max_in_flight`` buckets in flight), or at once otherwise -- and the
+owner adds it into its contiguous gradient slice (``contiguous_gradients``). Bucket buffers are
+recycled, so gradient memory is one slice plus a few buckets.
 
 Every micro-step communicates (accumulating full gradients locally would cost stage 1's
 memory); the owner's slice accumulates across micro-steps.
@@ -75,6 +76,10 @@ class BucketedReduceGradSync:
         device = self.grad_shards[0].device if self.grad_shards else torch.device("cpu")
         bucket_pieces, targets = plan_buckets(self.flat_groups, bucket_numel, position)
         self.buckets = GradientBuckets.from_pieces(bucket_pieces, dtype, device, self._launch, targets)
+        self._dtype, self._device = dtype, device
+        self._largest_bucket = max((b.numel for b in self.buckets.buckets), default=0)
+        self._free_buffers: list[torch.Tensor] = []  # recycled bucket storages
+        self._storage_of: dict[int, torch.Tensor] = {}
         self._in_flight: deque[tuple[Bucket, comm.Handle]] = deque()
         self._round_open = False
         params = [p for fg in self.flat_groups for p in fg.params]
@@ -88,15 +93,25 @@ class BucketedReduceGradSync:
         self.buckets.start_round()
         self._round_open = True
 
+    def _buffer_for(self, bucket: Bucket) -> torch.Tensor:
+        """A zeroed buffer for ``bucket``, recycled from retired buckets (no allocation, no page faults)."""
+        if bucket.buffer is None:
+            storage = self._free_buffers.pop() if self._free_buffers else torch.empty(
+                self._largest_bucket, dtype=self._dtype, device=self._device)
+            bucket.buffer = storage[:bucket.numel].zero_()
+            self._storage_of[id(bucket)] = storage
+        return bucket.buffer
+
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         for bucket, piece in self.buckets.pieces_of[id(param)]:
+            self._buffer_for(bucket)
             bucket.view(piece).copy_(piece.of(param.grad))
         param.grad = None
         if self._round_open:
             self.buckets.mark_ready(param)
 
     def _launch(self, bucket: Bucket) -> None:
-        buffer = bucket.ensure_buffer()  # a bucket nobody wrote (unused parameters) reduces zeros
+        buffer = self._buffer_for(bucket)  # a bucket nobody wrote (unused parameters) reduces zeros
         if self.pre_factor != 1.0:
             buffer.div_(self.pre_factor)
         self._in_flight.append((bucket, comm.reduce(buffer, bucket.target.owner, self.group, async_op=True)))
@@ -113,11 +128,13 @@ class BucketedReduceGradSync:
             self.grad_shards[target.group][target.lo - start:target.hi - start].add_(bucket.buffer,
                                                                                      alpha=self.post_factor)
         bucket.buffer = None
+        self._free_buffers.append(self._storage_of.pop(id(bucket)))
 
     def _complete_round(self) -> None:
         self.buckets.launch_remaining()
         while self._in_flight:
             self._retire_oldest()
+        del self._free_buffers[max(1, self.max_in_flight):]  # keep a few for reuse, not a whole model's worth
         self._round_open = False
 
     def finish(self) -> None:
@@ -139,9 +156,9 @@ class BucketedReduceGradSync:
         return sum(s.numel() * s.element_size() for s in self.grad_shards)
 
     def buffer_bytes(self) -> int:
-        """Bucket memory at its bound: the largest ``max_in_flight + 1`` buckets (one filling, the rest in flight)."""
-        sizes = sorted((b.numel for b in self.buckets.buckets), reverse=True)[:self.max_in_flight + 1]
-        return sum(sizes) * (self.grad_shards[0].element_size() if self.grad_shards else 4)
+        """Bucket buffers held (recycled between buckets; one filling plus up to ``max_in_flight`` in flight)."""
+        held = list(self._free_buffers) + list(self._storage_of.values())
+        return sum(t.numel() * t.element_size() for t in held)
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:
