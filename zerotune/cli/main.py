@@ -1,4 +1,4 @@
-"""The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks."""
+"""The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model, ``report`` a run."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from zerotune.cli.check import add_check_parser
+from zerotune.cli.finetune import add_finetune_parser
+from zerotune.cli.report import add_report_parser
 from zerotune.cli.run import add_run_parser
 
 
@@ -14,6 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", required=True)
     add_check_parser(subparsers)
     add_run_parser(subparsers)
+    add_finetune_parser(subparsers)
+    add_report_parser(subparsers)
     return parser
 
 
