@@ -1,0 +1,84 @@
+"""``zerotune finetune [RECIPE] [--output-dir DIR] [--resume] [--merge] [--set key=value ...]``.
+
+Validates the recipe and fetches its bundled assets once, in this process, so a bad recipe is
+one clear line and ranks never race to download. Then, unless already under torchrun, starts
+``launch.nproc_per_node`` ranks (and ``launch.nnodes`` nodes through a rendezvous) with
+torchrun's own API, each running ``zerotune.finetune.worker``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from zerotune.config import ConfigError
+
+
+def add_finetune_parser(subparsers: argparse._SubParsersAction) -> None:
+    from zerotune.finetune.arguments import add_arguments
+
+    parser = subparsers.add_parser("finetune", help="fine-tune a Hugging Face model from a recipe",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=run_finetune)
+
+
+def _worker_argv(args: argparse.Namespace) -> list[str]:
+    argv = [args.recipe] if args.recipe else []
+    argv += ["--output-dir", args.output_dir]
+    argv += ["--resume"] if args.resume else []
+    argv += ["--merge"] if args.merge else []
+    for override in args.overrides:
+        argv += ["--set", override]
+    return argv
+
+
+def _prefetch_assets(recipe) -> None:
+    """Fetch bundled model and data assets before any rank starts."""
+    from zerotune.finetune.assets import ASSETS, asset_path
+
+    for name in (recipe.model.name_or_path, recipe.data.bundled):
+        if name in ASSETS:
+            asset_path(name)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    from zerotune.finetune.assets import AssetError
+    from zerotune.finetune.data import DataError
+    from zerotune.finetune.models import ModelLoadError
+    from zerotune.finetune.recipe import load_recipe
+
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+        _prefetch_assets(recipe)
+        if "RANK" in os.environ or recipe.launch.nproc_per_node * recipe.launch.nnodes == 1:
+            from zerotune.finetune.worker import run
+
+            run(args)
+            return 0
+    except (ConfigError, AssetError, DataError, ModelLoadError, NotImplementedError) as error:
+        print(f"zerotune finetune: {error}", file=sys.stderr)
+        return 2
+    from torch.distributed import run as torchrun
+
+    launch = recipe.launch
+    torchrun_args = [f"--nproc_per_node={launch.nproc_per_node}", f"--nnodes={launch.nnodes}"]
+    if launch.nnodes > 1:
+        if not launch.rdzv_endpoint:
+            print("zerotune finetune: launch.rdzv_endpoint is required when launch.nnodes > 1 "
+                  "(host:port of the first node)", file=sys.stderr)
+            return 2
+        torchrun_args += [f"--rdzv_backend={launch.rdzv_backend}", f"--rdzv_endpoint={launch.rdzv_endpoint}",
+                          f"--rdzv_id={launch.rdzv_id or 'zerotune'}"]
+    else:
+        torchrun_args += ["--standalone"]
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    try:
+        torchrun.run(torchrun.parse_args(torchrun_args + ["-m", "zerotune.finetune.worker", *_worker_argv(args)]))
+    except Exception as error:  # torchrun's ChildFailedError already printed each rank's traceback
+        print(f"zerotune finetune: a rank failed ({type(error).__name__}); see its error above", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,151 @@
+"""The fine-tuning loop on the engine: train, evaluate, log, checkpoint, resume.
+
+Every rank runs this; only rank 0 writes ``metrics.jsonl`` and shows the progress bar. The data
+order depends only on the recipe's seed and the step, so a run resumed from a checkpoint sees
+exactly the batches the uninterrupted run would have seen (and the checkpoint restores the RNG
+streams for dropout).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, Subset
+
+from zerotune.distributed import comm
+
+
+@dataclass
+class MetricsLog:
+    """``metrics.jsonl``: one JSON line per train log or evaluation (rank 0 only)."""
+
+    path: Path | None
+
+    def write(self, record: dict) -> None:
+        if self.path is not None:
+            with open(self.path, "a") as handle:
+                handle.write(json.dumps(record) + "\n")
+
+
+def train_loader(dataset: Any, collate: Callable, micro_batch: int, seed: int, rank: int, world: int) -> DataLoader:
+    """Shuffled, sharded over data-parallel ranks; its own generator keeps the global RNG untouched."""
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate, drop_last=True,
+                      generator=torch.Generator().manual_seed(seed))
+
+
+def eval_loader(dataset: Any, collate: Callable, batch: int, rank: int, world: int) -> DataLoader:
+    """Every example exactly once over all ranks (no padding duplicates, unlike DistributedSampler)."""
+    return DataLoader(Subset(dataset, range(rank, len(dataset), world)), batch_size=batch, collate_fn=collate)
+
+
+@torch.no_grad()
+def evaluate(engine: Any, loader: DataLoader, task: str, num_labels: int = 0) -> dict[str, float]:
+    """Accuracy and macro-F1 (classification) or loss and perplexity (causal LM), summed over ranks."""
+    was_training = engine.module.training
+    engine.eval()
+    device = engine.device
+    if task == "sequence-classification":
+        counts = torch.zeros(3, num_labels, dtype=torch.float64, device=device)  # true positives, predicted, actual
+        loss_sum = torch.zeros(2, dtype=torch.float64, device=device)
+        for batch in loader:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            out = engine(**batch)
+            predicted, labels = out.logits.argmax(-1), batch["labels"]
+            counts[0] += torch.bincount(labels[predicted == labels], minlength=num_labels)
+            counts[1] += torch.bincount(predicted, minlength=num_labels)
+            counts[2] += torch.bincount(labels, minlength=num_labels)
+            loss_sum += torch.tensor([out.loss.item() * len(labels), len(labels)], dtype=torch.float64)
+        comm.all_reduce(counts, _world(engine))
+        comm.all_reduce(loss_sum, _world(engine))
+        tp, predicted, actual = counts
+        f1 = torch.where(predicted + actual > 0, 2 * tp / (predicted + actual).clamp(min=1), torch.zeros_like(tp))
+        result = {"accuracy": (tp.sum() / actual.sum().clamp(min=1)).item(), "macro_f1": f1.mean().item(),
+                  "loss": (loss_sum[0] / loss_sum[1].clamp(min=1)).item()}
+    else:
+        sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss x tokens, tokens
+        for batch in loader:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            out = engine(**batch)
+            tokens = (batch["labels"][:, 1:] != -100).sum().item()
+            sums += torch.tensor([out.loss.item() * tokens, tokens], dtype=torch.float64)
+        comm.all_reduce(sums, _world(engine))
+        loss = (sums[0] / sums[1].clamp(min=1)).item()
+        result = {"loss": loss, "perplexity": math.exp(min(loss, 50.0))}
+    if was_training:
+        engine.train()
+    return result
+
+
+def _world(engine: Any) -> dist.ProcessGroup | None:
+    return engine.mesh.group("dp")
+
+
+@dataclass
+class LoopSettings:
+    total_steps: int
+    log_every: int
+    eval_every: int
+    save_every: int
+    checkpoint_dir: Path
+    client_state: dict = field(default_factory=dict)
+
+
+def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], settings: LoopSettings,
+          metrics: MetricsLog, progress: Any = None) -> dict[str, float]:
+    """Run optimizer steps from ``engine.global_steps`` to ``settings.total_steps``; returns throughput figures."""
+    gas = engine.gradient_accumulation_steps()
+    per_epoch = len(loader)
+    if per_epoch == 0:
+        raise ValueError("the training set is smaller than one global micro-batch; lower train.micro_batch_size")
+    consumed = engine.global_steps * gas  # micro-batches already trained on (after a resume)
+    epoch, skip = divmod(consumed, per_epoch)
+    started, samples, window_loss, window_steps = time.perf_counter(), 0, 0.0, 0
+    engine.train()
+    while engine.global_steps < settings.total_steps:
+        loader.sampler.set_epoch(epoch)
+        for index, batch in enumerate(loader):
+            if index < skip:
+                continue
+            batch = {k: v.to(engine.device) for k, v in batch.items()}
+            loss = engine(**batch).loss
+            engine.backward(loss)
+            boundary = engine.is_gradient_accumulation_boundary()
+            engine.step()
+            window_loss += loss.item() / gas
+            if not boundary:
+                continue
+            samples += engine.train_batch_size()
+            window_steps += 1
+            step = engine.global_steps
+            elapsed = time.perf_counter() - started
+            if progress is not None:
+                progress.update(1)
+                progress.set_postfix(loss=f"{window_loss / window_steps:.4f}", lr=f"{engine.get_lr()[0]:.2e}",
+                                     samples_s=f"{samples / elapsed:.1f}")
+            if step % settings.log_every == 0 or step == settings.total_steps:
+                metrics.write({"split": "train", "step": step, "epoch": consumed_epochs(engine, per_epoch),
+                               "loss": window_loss / window_steps, "lr": engine.get_lr()[0],
+                               "samples_per_s": samples / elapsed, "time_s": elapsed})
+                window_loss, window_steps = 0.0, 0
+            if settings.eval_every and step % settings.eval_every == 0 and step < settings.total_steps:
+                metrics.write({"split": "eval", "step": step, **evaluate_fn()})
+            if settings.save_every and step % settings.save_every == 0:
+                engine.save_checkpoint(str(settings.checkpoint_dir), client_state=settings.client_state)
+            if step >= settings.total_steps:
+                break
+        skip = 0
+        epoch += 1
+    elapsed = time.perf_counter() - started
+    return {"samples_per_s": samples / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed}
+
+
+def consumed_epochs(engine: Any, per_epoch: int) -> float:
+    return engine.global_steps * engine.gradient_accumulation_steps() / per_epoch

@@ -1,0 +1,131 @@
+"""One rank of ``zerotune finetune``: recipe -> model + data -> engine -> train -> evaluate -> save.
+
+Started by the ``zerotune finetune`` launcher (through torchrun's API) or directly under
+torchrun: ``torchrun --nproc_per_node 2 -m zerotune.finetune.worker RECIPE --output-dir DIR``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import zerotune
+from zerotune.distributed import comm
+from zerotune.finetune import loop
+from zerotune.finetune.arguments import add_arguments
+from zerotune.finetune.data import DataSpec, load_classification_data, make_collator, tokenize_classification
+from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_model,
+                                      trainable_summary)
+from zerotune.finetune.recipe import load_recipe, recipe_engine_config
+from zerotune.monitor.logging import log_rank0
+
+CHECKPOINTS = "checkpoints"
+
+
+def _data_spec(recipe) -> DataSpec:
+    data = recipe.data
+    return DataSpec(train_files=data.train_files, eval_files=data.eval_files, bundled=data.bundled,
+                    text_column=data.text_column, text_pair_column=data.text_pair_column,
+                    label_column=data.label_column, eval_fraction=data.eval_fraction, seed=recipe.train.seed,
+                    max_train_samples=data.max_train_samples, max_eval_samples=data.max_eval_samples)
+
+
+def _total_steps(recipe, batches_per_epoch: int) -> int:
+    train = recipe.train
+    if train.max_steps:
+        return int(train.max_steps)
+    return max(1, math.ceil(train.epochs * batches_per_epoch / train.gradient_accumulation_steps))
+
+
+def run(args: argparse.Namespace) -> dict:
+    recipe = load_recipe(args.recipe, args.overrides)
+    if recipe.task != "sequence-classification":
+        raise NotImplementedError(f"task {recipe.task!r} is not supported by zerotune finetune yet "
+                                  "(sequence-classification is)")
+    env = zerotune.init_distributed()
+    output = Path(args.output_dir)
+    if env.rank == 0:
+        output.mkdir(parents=True, exist_ok=True)
+        if not args.resume and (output / "metrics.jsonl").exists():
+            (output / "metrics.jsonl").unlink()
+    comm.barrier()
+    torch.manual_seed(recipe.train.seed)
+    model_path = resolve_model_path(recipe.model.name_or_path)
+    tokenizer = load_tokenizer(model_path)
+    train_set, eval_set, label_names = load_classification_data(_data_spec(recipe))
+    max_length = recipe.data.max_length
+    train_set = tokenize_classification(train_set, tokenizer, max_length)
+    eval_set = tokenize_classification(eval_set, tokenizer, max_length)
+    model = apply_method(load_model(model_path, recipe.task, len(label_names), label_names), recipe.task,
+                         recipe.method)
+    log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
+
+    collate = make_collator(tokenizer)
+    world = env.world_size
+    loader = loop.train_loader(train_set, collate, recipe.train.micro_batch_size, recipe.train.seed, env.rank, world)
+    total_steps = _total_steps(recipe, len(loader))
+    config = recipe_engine_config(recipe, total_steps=total_steps, dp_world_size=world)
+    engine, *_ = zerotune.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                     config=config)
+    evaluation = loop.eval_loader(eval_set, collate, 2 * recipe.train.micro_batch_size, env.rank, world)
+
+    def evaluate() -> dict:
+        return loop.evaluate(engine, evaluation, recipe.task, len(label_names))
+
+    metrics = loop.MetricsLog(output / "metrics.jsonl" if env.rank == 0 else None)
+    checkpoint_dir = output / CHECKPOINTS
+    before = None
+    if args.resume:
+        path, client_state = engine.load_checkpoint(str(checkpoint_dir))
+        if path is None:
+            log_rank0("--resume: no complete checkpoint in %s, starting from scratch", checkpoint_dir, rank=env.rank)
+        else:
+            before = client_state["before"]
+            log_rank0("resumed from %s at step %d", path, engine.global_steps, rank=env.rank)
+    if before is None:
+        before = evaluate()
+        metrics.write({"split": "eval", "step": 0, **before})
+    started = time.perf_counter()
+    progress = None
+    if env.rank == 0:
+        from tqdm import tqdm
+
+        progress = tqdm(total=total_steps, initial=engine.global_steps, desc="finetune", unit="step",
+                        file=sys.stderr, dynamic_ncols=True)
+    settings = loop.LoopSettings(total_steps, recipe.train.log_every, recipe.train.eval_every, recipe.train.save_every,
+                                 checkpoint_dir, client_state={"before": before})
+    throughput = loop.train(engine, loader, evaluate, settings, metrics, progress)
+    if progress is not None:
+        progress.close()
+    after = evaluate()
+    metrics.write({"split": "eval", "step": engine.global_steps, **after})
+    peaks = comm.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, engine.mesh.group("dp"))
+    summary = {"metric": "accuracy", "before": before["accuracy"], "after": after["accuracy"],
+               "before_eval": before, "after_eval": after, "steps": engine.global_steps,
+               "wall_seconds": time.perf_counter() - started, "samples_per_s": throughput["samples_per_s"],
+               "peak_memory_mib_per_rank": peaks, "task": recipe.task, "method": recipe.method.type,
+               "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage()}
+    if env.rank == 0:
+        save_model(engine.module, tokenizer, output, merge=args.merge)
+        (output / "summary.json").write_text(json.dumps(summary, indent=2))
+        print(f"accuracy on the held-out split: {summary['before']:.3f} before -> {summary['after']:.3f} after "
+              f"{summary['steps']} steps ({summary['wall_seconds']:.0f} s); model and metrics in {output}")
+    engine.destroy()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = add_arguments(argparse.ArgumentParser(prog="zerotune.finetune.worker")).parse_args(argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
