@@ -20,7 +20,8 @@ import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
-from zerotune.finetune.data import DataSpec, load_classification_data, make_collator, tokenize_classification
+from zerotune.finetune.data import (DataSpec, check_num_labels, load_classification_data, make_collator,
+                                    tokenize_classification)
 from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_model,
                                       trainable_summary)
 from zerotune.finetune.recipe import load_recipe, recipe_engine_config
@@ -44,11 +45,20 @@ def _total_steps(recipe, batches_per_epoch: int) -> int:
     return max(1, math.ceil(train.epochs * batches_per_epoch / train.gradient_accumulation_steps))
 
 
+def check_recipe_inputs(recipe) -> list[str]:
+    """Fail early, in one process, on what a user gets wrong: task, model path, data files and columns, labels."""
+    if recipe.task != "sequence-classification":
+        raise NotImplementedError(f"task: {recipe.task!r} is not supported by zerotune finetune yet "
+                                  "(sequence-classification is)")
+    resolve_model_path(recipe.model.name_or_path)
+    _, _, label_names = load_classification_data(_data_spec(recipe))
+    check_num_labels(label_names, recipe.model.num_labels)
+    return label_names
+
+
 def run(args: argparse.Namespace) -> dict:
     recipe = load_recipe(args.recipe, args.overrides)
-    if recipe.task != "sequence-classification":
-        raise NotImplementedError(f"task {recipe.task!r} is not supported by zerotune finetune yet "
-                                  "(sequence-classification is)")
+    check_recipe_inputs(recipe)
     env = zerotune.init_distributed()
     output = Path(args.output_dir)
     if env.rank == 0:

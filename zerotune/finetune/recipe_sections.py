@@ -1,0 +1,323 @@
+"""The sections of a fine-tuning recipe as typed pydantic models.
+
+They subclass the engine config's :class:`~zerotune.config.section.Section` (unknown keys
+forbidden, a docstring under every field) so the engine config's loading machinery --
+did-you-mean for unknown keys, one-line translation of pydantic errors -- works on recipes
+unchanged. Field types come from ``zerotune.config.types``: strict, so ``lr: fast`` or
+``epochs: "3"`` is an error instead of a silent coercion.
+
+Checks that span several fields (exactly one of ``epochs``/``max_steps``, options of another
+method than the chosen one) live in ``recipe.py``, which raises them with the exact key path;
+a pydantic model validator could only report the whole section.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
+
+from pydantic import BeforeValidator, Field, StrictBool
+
+from zerotune.config.errors import ConfigError
+from zerotune.config.schema import ZeroTuneConfig
+from zerotune.config.section import Section
+from zerotune.config.types import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, Stage, Str
+
+# Names the finetune asset layer (zerotune/finetune/assets.py) knows how to fetch offline.
+BUNDLED_MODELS = ("all-MiniLM-L6-v2", "SmolLM2-135M-Instruct")
+BUNDLED_DATA = ("rotten_tomatoes", "chatterbot_corpus_english")
+
+TASKS = ("sequence-classification", "causal-lm")
+METHODS = ("full", "lora", "prefix")
+# Which method.* options belong to which method.type; "type" itself belongs to all.
+METHOD_OPTIONS = {
+    "lora": ("r", "alpha", "dropout", "target_modules"),
+    "prefix": ("num_virtual_tokens",),
+}
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+
+def _one_path_as_list(value: Any) -> Any:
+    """``train_files: a.csv`` (or ``--set data.train_files=a.csv``) means a list of one file."""
+    return [value] if isinstance(value, str) else value
+
+
+PathList = Annotated[list[Str], BeforeValidator(_one_path_as_list), Field(min_length=1)]
+
+
+class ModelSection(Section):
+    """``model``: which pretrained model to fine-tune and how to load it."""
+
+    name_or_path: Str
+    """A local Hugging Face model directory (relative paths resolve against the recipe's directory) or a bundled model name: all-MiniLM-L6-v2, SmolLM2-135M-Instruct."""
+    num_labels: Optional[PosInt] = None
+    """Number of classes for sequence classification; None infers it from the training labels."""
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    """dtype the weights are loaded in; "auto" keeps the checkpoint's own dtype."""
+    trust_remote_code: StrictBool = False
+    """Allow the model directory to run its own Python modelling code (only for directories you trust)."""
+
+
+class DataSection(Section):
+    """``data``: where the examples come from, which columns hold what, and how they are cut."""
+
+    train_files: Optional[PathList] = None
+    """Local CSV / JSON / JSONL / parquet / text files with the training examples (relative paths resolve against the recipe's directory). Exactly one of train_files and bundled."""
+    eval_files: Optional[PathList] = None
+    """Files with the held-out examples; None splits eval_fraction off the training data."""
+    bundled: Optional[Literal[BUNDLED_DATA]] = None  # type: ignore[valid-type]
+    """A bundled data set fetched offline: rotten_tomatoes (sentiment) or chatterbot_corpus_english (question/answer pairs). Exactly one of train_files and bundled."""
+    text_column: Str = "text"
+    """Column with the input text (sequence classification, or plain-text causal LM)."""
+    text_pair_column: Optional[Str] = None
+    """Column with the second text of a sentence pair (sequence classification); None for single texts."""
+    label_column: Str = "label"
+    """Column with the class label (sequence classification); strings or integers."""
+    prompt_column: Optional[Str] = None
+    """Column with the prompt / question (causal LM, with response_column); the loss is not taken on these tokens. None (with response_column None) trains on text_column as plain text."""
+    response_column: Optional[Str] = None
+    """Column with the answer (causal LM, with prompt_column); the loss is taken on these tokens only."""
+    eval_fraction: Fraction = 0.1
+    """Fraction of the training data held out for evaluation when eval_files is not given."""
+    max_train_samples: Optional[PosInt] = None
+    """Use at most this many training examples (after the split); None uses all."""
+    max_eval_samples: Optional[PosInt] = None
+    """Evaluate on at most this many held-out examples; None uses all."""
+    max_length: PosInt = 128
+    """Truncate tokenized examples to this many tokens."""
+
+
+class MethodSection(Section):
+    """``method``: full fine-tuning, or a parameter-efficient method through peft.
+
+    Options belong to one method type each; giving an option of another type than the
+    chosen one is an error, because it would silently do nothing.
+    """
+
+    type: Literal[METHODS] = "full"  # type: ignore[valid-type]
+    """full (train every weight), lora (low-rank adapters) or prefix (prefix tuning)."""
+    r: PosInt = 8
+    """LoRA: rank of the adapter matrices."""
+    alpha: PosFloat = 16
+    """LoRA: scaling numerator; the adapter output is scaled by alpha / r."""
+    dropout: Fraction = 0.05
+    """LoRA: dropout on the adapter input."""
+    target_modules: Optional[Union[list[Str], Str]] = None
+    """LoRA: names (or one regex) of the modules to adapt; None uses the per-architecture default."""
+    num_virtual_tokens: PosInt = 20
+    """Prefix tuning: number of trainable virtual tokens prepended at every layer."""
+
+
+class TrainSection(Section):
+    """``train``: length of training, optimizer and schedule, and the evaluation/checkpoint cadence."""
+
+    epochs: Optional[PosFloat] = None
+    """Passes over the training data (fractions allowed); exactly one of epochs and max_steps, epochs 1 when neither is set."""
+    max_steps: Optional[PosInt] = None
+    """Optimizer steps to run; exactly one of epochs and max_steps."""
+    lr: PosFloat = 5e-5
+    """Peak learning rate (AdamW)."""
+    warmup_steps: NonNegInt = 0
+    """Optimizer steps of linear warmup from 0 to lr; at most one of warmup_steps and warmup_ratio."""
+    warmup_ratio: Optional[Fraction] = None
+    """Warmup as a fraction of the total optimizer steps; at most one of warmup_steps and warmup_ratio."""
+    weight_decay: NonNegFloat = 0.0
+    """AdamW decoupled weight decay."""
+    micro_batch_size: PosInt = 16
+    """Examples per rank per forward/backward pass (the global batch is this x accumulation x ranks)."""
+    gradient_accumulation_steps: PosInt = 1
+    """Micro batches accumulated before each optimizer step."""
+    seed: NonNegInt = 42
+    """Seed of the model head initialisation, dropout and data order."""
+    eval_every: NonNegInt = 0
+    """Evaluate every this many optimizer steps; 0 evaluates only at the end."""
+    save_every: NonNegInt = 0
+    """Save a checkpoint every this many optimizer steps; 0 never checkpoints during training."""
+    log_every: PosInt = 10
+    """Log the training loss and lr every this many optimizer steps."""
+    gradient_clipping: NonNegFloat = 1.0
+    """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+
+
+class EngineSection(Section):
+    """``engine``: the zerotune/DeepSpeed engine config plus two shortcuts.
+
+    In a recipe file the DeepSpeed keys sit directly under ``engine`` (``engine:
+    {zero_optimization: {...}}``); the loader gathers them into ``config``. ``config_path``
+    points at a config file instead. ``zero_stage`` and ``precision`` fill the engine config
+    where it does not set them.
+    """
+
+    config: dict[str, Any] = Field(default_factory=dict)
+    """The inline engine config (DeepSpeed JSON keys), validated by zerotune.config.load_config."""
+    config_path: Optional[Str] = None
+    """A JSON/YAML engine config file (relative paths resolve against the recipe's directory); instead of inline keys."""
+    zero_stage: Optional[Stage] = None
+    """ZeRO stage 0-3; sets zero_optimization.stage when the engine config does not."""
+    precision: Optional[Literal[PRECISIONS]] = None  # type: ignore[valid-type]
+    """Training precision fp32, bf16 or fp16; sets bf16/fp16.enabled when the engine config does not."""
+
+
+ENGINE_SHORTCUTS = tuple(EngineSection.model_fields)
+
+
+class EngineKeys(ZeroTuneConfig):
+    """Every key allowed directly under ``engine``: the engine config's plus the shortcuts.
+
+    Used only to check keys, so an unknown key gets a did-you-mean over both sets.
+    """
+
+    config: dict[str, Any] = Field(default_factory=dict)
+    config_path: Optional[Str] = None
+    zero_stage: Optional[Stage] = None
+    precision: Optional[Str] = None
+
+
+class LaunchSection(Section):
+    """``launch``: how many processes to start, here and on other nodes."""
+
+    nproc_per_node: PosInt = 2
+    """Ranks started on this node (data-parallel workers)."""
+    nnodes: PosInt = 1
+    """Number of nodes; more than 1 needs rdzv_endpoint."""
+    rdzv_endpoint: Optional[Str] = None
+    """host:port of the rendezvous (the first node) for multi-node runs."""
+    rdzv_backend: Literal["c10d", "static", "etcd", "etcd-v2"] = "c10d"
+    """torchrun rendezvous backend."""
+    rdzv_id: Optional[Str] = None
+    """Job id shared by all nodes of a run; None uses a fixed default."""
+    node_rank: Optional[NonNegInt] = None
+    """This node's rank for the static rendezvous backend; None lets the rendezvous assign it."""
+
+
+class Recipe(Section):
+    """A fine-tuning recipe: model, task, data, method, training, engine and launch settings.
+
+    Build one with :func:`zerotune.finetune.recipe.load_recipe`, which also resolves relative
+    paths, applies ``--set`` overrides and runs the cross-field checks.
+    """
+
+    ALIASES: ClassVar[dict[str, str]] = {}
+
+    model: ModelSection
+    """The pretrained model to fine-tune."""
+    task: Literal[TASKS]  # type: ignore[valid-type]
+    """sequence-classification or causal-lm."""
+    data: DataSection
+    """The training and evaluation data."""
+    method: MethodSection = Field(default_factory=MethodSection)
+    """Full fine-tuning, LoRA or prefix tuning."""
+    train: TrainSection = Field(default_factory=TrainSection)
+    """Training length, optimizer, schedule and cadence."""
+    engine: EngineSection = Field(default_factory=EngineSection)
+    """The zerotune/DeepSpeed engine config (ZeRO stage, precision, offload, ...)."""
+    launch: LaunchSection = Field(default_factory=LaunchSection)
+    """Processes and nodes."""
+
+
+# --- errors and cross-field checks ---------------------------------------------------------
+
+class RecipeError(ConfigError):
+    """A recipe value is missing, malformed, inconsistent or unknown; ``path`` is its dotted key."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(path, message)
+        text = f"zerotune recipe: {path}: {message}" if path else f"zerotune recipe: {message}"
+        self.args = (text,)
+
+    @classmethod
+    def of(cls, error: ConfigError, prefix: str = "", note: str = "") -> RecipeError:
+        """``error`` (raised by the engine-config machinery) as a RecipeError under ``prefix``."""
+        path = ".".join(p for p in (prefix, error.path) if p)
+        return cls(path, error.message + note)
+
+
+def check_recipe(recipe: Recipe) -> None:
+    """Constraints spanning several keys, each raised at the key the user should change."""
+    _check_train(recipe)
+    _check_data(recipe)
+    _check_method(recipe)
+    _check_task(recipe)
+    _check_launch(recipe)
+
+
+def _check_train(recipe: Recipe) -> None:
+    train = recipe.train
+    if train.epochs is not None and train.max_steps is not None:
+        raise RecipeError("train.max_steps", "train.epochs and train.max_steps are both set; set exactly one")
+    if train.epochs is None and train.max_steps is None:
+        train.epochs = 1.0
+    if train.warmup_ratio is not None and "warmup_steps" in train.model_fields_set and train.warmup_steps:
+        raise RecipeError("train.warmup_ratio", "train.warmup_steps and train.warmup_ratio are both set; set at most one")
+
+
+def _check_data(recipe: Recipe) -> None:
+    data = recipe.data
+    if data.train_files is not None and data.bundled is not None:
+        raise RecipeError("data.bundled", "data.train_files and data.bundled are both set; set exactly one")
+    if data.train_files is None and data.bundled is None:
+        raise RecipeError("data", "no training data: set data.train_files (local files) or data.bundled "
+                                  "(rotten_tomatoes or chatterbot_corpus_english)")
+    if data.eval_files is not None and data.bundled is not None:
+        raise RecipeError("data.eval_files", "only with data.train_files; a bundled data set holds out data.eval_fraction")
+    if (data.prompt_column is None) != (data.response_column is None):
+        missing = "prompt_column" if data.prompt_column is None else "response_column"
+        raise RecipeError(f"data.{missing}", "give both data.prompt_column and data.response_column "
+                                             "(question/answer data), or neither (plain text)")
+    if data.eval_files is not None and "eval_fraction" in data.model_fields_set:
+        raise RecipeError("data.eval_fraction", "unused when data.eval_files is given; remove one of them")
+
+
+def _check_method(recipe: Recipe) -> None:
+    method = recipe.method
+    for owner, options in METHOD_OPTIONS.items():
+        if owner == method.type:
+            continue
+        for option in options:
+            if option in method.model_fields_set:
+                raise RecipeError(f"method.{option}", f"a {owner} option, but method.type is {method.type!r}; "
+                                                      f"remove it or set method.type={owner}")
+
+
+_TASK_ONLY = {
+    "sequence-classification": (("model", "num_labels"), ("data", "label_column"), ("data", "text_pair_column")),
+    "causal-lm": (("data", "prompt_column"), ("data", "response_column")),
+}
+
+
+def _check_task(recipe: Recipe) -> None:
+    for task, keys in _TASK_ONLY.items():
+        if task == recipe.task:
+            continue
+        for section, key in keys:
+            if key in getattr(recipe, section).model_fields_set:
+                raise RecipeError(f"{section}.{key}", f"only used by task {task!r}, but task is {recipe.task!r}; remove it")
+
+
+def _check_launch(recipe: Recipe) -> None:
+    launch = recipe.launch
+    if launch.nnodes > 1 and not launch.rdzv_endpoint:
+        raise RecipeError("launch.rdzv_endpoint", f"required when launch.nnodes is {launch.nnodes} "
+                                                  "(host:port of the first node)")
+    if launch.node_rank is not None and launch.node_rank >= launch.nnodes:
+        raise RecipeError("launch.node_rank", f"{launch.node_rank} is not below launch.nnodes {launch.nnodes}")
+
+
+__all__ = [
+    "RecipeError",
+    "check_recipe",
+    "BUNDLED_DATA",
+    "BUNDLED_MODELS",
+    "DataSection",
+    "ENGINE_SHORTCUTS",
+    "EngineKeys",
+    "EngineSection",
+    "LaunchSection",
+    "METHODS",
+    "METHOD_OPTIONS",
+    "MethodSection",
+    "ModelSection",
+    "PRECISIONS",
+    "Recipe",
+    "TASKS",
+    "TrainSection",
+]
