@@ -133,3 +133,36 @@ def test_bundled_default_improves_accuracy_within_five_minutes(tmp_path: Path) -
             correct += (model(**batch).logits.argmax(-1) == batch["labels"]).sum().item()
             total += len(batch["labels"])
     assert correct / total == pytest.approx(summary["after"], abs=1e-3)
+
+
+def _finetune_cli(recipe: Path, out: Path, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "zerotune.cli.main", "finetune", str(recipe), "--output-dir",
+                             str(out), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.slow
+def test_kill_9_after_a_checkpoint_then_resume_ends_with_the_same_metrics(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    recipe = write_recipe(tmp_path, 2, max_steps=300, save_every=50, eval_every=0, log_every=50)
+    full = _finetune_cli(recipe, tmp_path / "full")
+    assert full.wait(timeout=300) == 0, full.stderr.read()[-3000:]
+
+    victim = _finetune_cli(recipe, tmp_path / "killed")
+    latest = tmp_path / "killed" / "checkpoints" / "latest"
+    deadline = time.time() + 240
+    while not (latest.is_file() and latest.read_text() != "global_step50") and time.time() < deadline:
+        time.sleep(0.05)  # wait for the second checkpoint, so the kill lands mid-run
+    os.killpg(victim.pid, signal.SIGKILL)
+    victim.wait(timeout=30)
+    killed_at = latest.read_text()
+    assert killed_at != "global_step300", "the run finished before it could be killed"
+
+    resumed = _finetune_cli(recipe, tmp_path / "killed", "--resume")
+    assert resumed.wait(timeout=300) == 0, resumed.stderr.read()[-3000:]
+    want = json.loads((tmp_path / "full" / "summary.json").read_text())
+    got = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert got["steps"] == want["steps"] == 300
+    assert got["before_eval"] == want["before_eval"] and got["after_eval"] == want["after_eval"], killed_at
