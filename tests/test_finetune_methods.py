@@ -48,10 +48,13 @@ def _merge_run(recipe: str, output: str) -> dict:
                                   overrides=["method.type=lora", "method.target_modules=[query,value]"]))
 
 
-def test_prefix_tuning_runs_and_saves_the_adapter(tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, 1, lr=1e-2)
-    out = tmp_path / "run"
-    overrides = ["method.type=prefix", "method.num_virtual_tokens=4"]
-    summary = run_distributed(_run_worker, 2, str(recipe), str(out), False, overrides, timeout=240)[0]
-    assert summary["method"] == "prefix" and summary["steps"] == 12
-    assert (out / "adapter" / "adapter_config.json").is_file()
+def test_prefix_tuning_for_classification_is_a_clear_error_when_the_model_cannot_take_it() -> None:
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from zerotune.finetune.models import ModelLoadError, check_prefix_tuning_support
+
+    model = BertForSequenceClassification(BertConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1,
+                                                     num_attention_heads=1, intermediate_size=8))
+    with pytest.raises(ModelLoadError, match="prefix tuning for sequence classification needs .* "
+                                             "BertForSequenceClassification does not"):
+        check_prefix_tuning_support(model)

@@ -29,9 +29,16 @@ class ModelLoadError(ValueError):
 
 
 def resolve_model_path(name_or_path: str) -> Path:
-    """A bundled model name -> its fetched asset directory; otherwise a local directory with a config.json."""
-    from zerotune.finetune.assets import ASSETS, asset_path
+    """A bundled model name -> its fetched asset directory; otherwise a local directory with a config.json.
 
+    Bundled GGUF models resolve to their dequantized Hugging Face copy in the asset cache
+    (``finetune.gguf_models``), so every later step loads an ordinary model directory.
+    """
+    from zerotune.finetune.assets import ASSETS, asset_path
+    from zerotune.finetune.gguf_models import dequantized_model_dir, is_gguf_asset
+
+    if is_gguf_asset(name_or_path):  # a GGUF file: dequantized once into a cached HF directory
+        return dequantized_model_dir(name_or_path)
     if name_or_path in ASSETS:
         return asset_path(name_or_path)
     path = Path(name_or_path).expanduser()
@@ -56,13 +63,15 @@ def load_model(path: Path, task: str, num_labels: int | None = None, label_names
     """The task's model head on the pretrained body, in fp32 (the engine casts per its precision)."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    from zerotune.finetune.gguf_models import drop_quantizer
+
     try:
         if task == "sequence-classification":
             id2label = {i: name for i, name in enumerate(label_names)} if label_names else None
             return AutoModelForSequenceClassification.from_pretrained(
                 path, num_labels=num_labels, id2label=id2label,
                 label2id={name: i for i, name in id2label.items()} if id2label else None, dtype=torch.float32)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+        return drop_quantizer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot load {task} model from {path}: {error}") from error
 
@@ -82,8 +91,24 @@ def apply_method(model: Any, task: str, method: Any) -> Any:
         config = LoraConfig(task_type=task_type, r=method.r, lora_alpha=method.alpha, lora_dropout=method.dropout,
                             target_modules=list(targets))
     else:
+        if task == "sequence-classification":
+            check_prefix_tuning_support(model)
         config = PrefixTuningConfig(task_type=task_type, num_virtual_tokens=method.num_virtual_tokens)
     return get_peft_model(model, config)
+
+
+def check_prefix_tuning_support(model: torch.nn.Module) -> None:
+    """peft's prefix tuning for classification passes learned keys/values as ``past_key_values``:
+    the model (or its backbone) must take that argument -- transformers 5 models take ``cache``."""
+    import inspect
+
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), model)
+    for module in (model, backbone):
+        if "past_key_values" in inspect.signature(module.forward).parameters:
+            return
+    raise ModelLoadError(f"method.type: prefix tuning for sequence classification needs a model whose forward takes "
+                         f"past_key_values, and {type(model).__name__} does not (peft's requirement; transformers 5 "
+                         f"models take 'cache'); use method.type lora, or prefix tuning with task causal-lm")
 
 
 def trainable_summary(model: torch.nn.Module) -> str:
@@ -118,3 +143,4 @@ def _detached_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Own copies of every tensor: under ZeRO the parameters are views of one flat buffer, which
     safetensors would refuse (or deduplicate) as shared memory."""
     return {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()}
+

@@ -20,8 +20,8 @@ import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
-from zerotune.finetune.data import (DataSpec, check_num_labels, load_classification_data, make_collator,
-                                    tokenize_classification)
+from zerotune.finetune.data import (DataSpec, check_num_labels, load_causal_lm_data, load_classification_data,
+                                    make_collator, tokenize_causal_lm, tokenize_classification)
 from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_model,
                                       trainable_summary)
 from zerotune.finetune.recipe import load_recipe, recipe_engine_config
@@ -46,14 +46,44 @@ def _total_steps(recipe, batches_per_epoch: int) -> int:
 
 
 def check_recipe_inputs(recipe) -> list[str]:
-    """Fail early, in one process, on what a user gets wrong: task, model path, data files and columns, labels."""
-    if recipe.task != "sequence-classification":
-        raise NotImplementedError(f"task: {recipe.task!r} is not supported by zerotune finetune yet "
-                                  "(sequence-classification is)")
+    """Fail early, in one process, on what a user gets wrong: model path, data files and columns, labels.
+
+    Returns the label names (sequence classification) or an empty list (causal LM). For a bundled
+    GGUF model this also dequantizes it into the cache once, before any rank starts.
+    """
     resolve_model_path(recipe.model.name_or_path)
+    if recipe.task == "causal-lm":
+        _load_causal_lm(recipe)
+        return []
     _, _, label_names = load_classification_data(_data_spec(recipe))
     check_num_labels(label_names, recipe.model.num_labels)
     return label_names
+
+
+def _load_causal_lm(recipe):
+    """Train/eval rows with ``prompt``/``response`` (question/answer data) or ``text`` (plain text)."""
+    return load_causal_lm_data(_data_spec(recipe), prompt_column=recipe.data.prompt_column,
+                               response_column=recipe.data.response_column)
+
+
+def load_task_data(recipe, tokenizer) -> tuple:
+    """(tokenized train set, tokenized eval set, label names) for the recipe's task.
+
+    Causal LM renders question/answer rows with the chat template and trains on answer tokens
+    only; its label names are empty.
+    """
+    max_length = recipe.data.max_length
+    if recipe.task == "causal-lm":
+        train_set, eval_set = _load_causal_lm(recipe)
+        return tokenize_causal_lm(train_set, tokenizer, max_length), tokenize_causal_lm(eval_set, tokenizer, max_length), []
+    train_set, eval_set, label_names = load_classification_data(_data_spec(recipe))
+    return (tokenize_classification(train_set, tokenizer, max_length),
+            tokenize_classification(eval_set, tokenizer, max_length), label_names)
+
+
+def _headline(task: str, result: dict) -> float:
+    """The one number ``summary.json`` reports before and after: accuracy, or the held-out answer loss."""
+    return result["loss"] if task == "causal-lm" else result["accuracy"]
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -69,15 +99,12 @@ def run(args: argparse.Namespace) -> dict:
     torch.manual_seed(recipe.train.seed)
     model_path = resolve_model_path(recipe.model.name_or_path)
     tokenizer = load_tokenizer(model_path)
-    train_set, eval_set, label_names = load_classification_data(_data_spec(recipe))
-    max_length = recipe.data.max_length
-    train_set = tokenize_classification(train_set, tokenizer, max_length)
-    eval_set = tokenize_classification(eval_set, tokenizer, max_length)
+    train_set, eval_set, label_names = load_task_data(recipe, tokenizer)
     model = apply_method(load_model(model_path, recipe.task, len(label_names), label_names), recipe.task,
                          recipe.method)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
 
-    collate = make_collator(tokenizer)
+    collate = make_collator(tokenizer, recipe.task)
     world = env.world_size
     loader = loop.train_loader(train_set, collate, recipe.train.micro_batch_size, recipe.train.seed, env.rank, world)
     total_steps = _total_steps(recipe, len(loader))
@@ -117,7 +144,8 @@ def run(args: argparse.Namespace) -> dict:
     after = evaluate()
     metrics.write({"split": "eval", "step": engine.global_steps, **after})
     peaks = comm.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, engine.mesh.group("dp"))
-    summary = {"metric": "accuracy", "before": before["accuracy"], "after": after["accuracy"],
+    metric = "eval_loss" if recipe.task == "causal-lm" else "accuracy"
+    summary = {"metric": metric, "before": _headline(recipe.task, before), "after": _headline(recipe.task, after),
                "before_eval": before, "after_eval": after, "steps": engine.global_steps,
                "wall_seconds": time.perf_counter() - started, "samples_per_s": throughput["samples_per_s"],
                "peak_memory_mib_per_rank": peaks, "task": recipe.task, "method": recipe.method.type,
@@ -125,7 +153,8 @@ def run(args: argparse.Namespace) -> dict:
     if env.rank == 0:
         save_model(engine.module, tokenizer, output, merge=args.merge)
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
-        print(f"accuracy on the held-out split: {summary['before']:.3f} before -> {summary['after']:.3f} after "
+        what = "answer loss" if recipe.task == "causal-lm" else "accuracy"
+        print(f"{what} on the held-out split: {summary['before']:.3f} before -> {summary['after']:.3f} after "
               f"{summary['steps']} steps ({summary['wall_seconds']:.0f} s); model and metrics in {output}")
     engine.destroy()
     return summary
