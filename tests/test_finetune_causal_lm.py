@@ -207,3 +207,24 @@ def test_drop_quantizer_detaches_the_loading_quantizer() -> None:
     assert drop_quantizer(model).removed and model.hf_quantizer is None
     plain = argparse.Namespace()
     assert drop_quantizer(plain) is plain
+
+
+def _run_prefix_worker(recipe: str, output: str) -> dict:
+    from zerotune.finetune.worker import run
+
+    return run(argparse.Namespace(recipe=recipe, output_dir=output, resume=False, merge=False, overrides=[]))
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_prefix_tuning_causal_lm_trains_only_the_prefix_and_saves_the_adapter(tmp_path: Path, stage: int) -> None:
+    recipe = write_recipe(tmp_path, stage)
+    content = json.loads(recipe.read_text())
+    content["method"] = {"type": "prefix", "num_virtual_tokens": 4}
+    recipe.write_text(json.dumps(content))
+    out = tmp_path / "run"
+    summary = run_distributed(_run_prefix_worker, 2, str(recipe), str(out), timeout=240)[0]
+    assert summary["method"] == "prefix" and summary["steps"] == 30
+    assert summary["after"] < summary["before"], summary
+    from peft import PeftConfig
+
+    assert PeftConfig.from_pretrained(out / "adapter").peft_type.value == "PREFIX_TUNING"
