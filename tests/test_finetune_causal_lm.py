@@ -118,7 +118,8 @@ def test_answer_only_loss_masks_the_prompt(tmp_path: Path) -> None:
     """Labels are -100 over the rendered prompt and equal the ids over the answer (and its end token)."""
     from transformers import AutoTokenizer
 
-    from zerotune.finetune.data import IGNORE_INDEX, load_causal_lm_data, tokenize_causal_lm
+    from zerotune.finetune.data import load_causal_lm_data
+    from zerotune.finetune.tokenization import IGNORE_INDEX, tokenize_causal_lm
     from zerotune.finetune.recipe import load_recipe
     from zerotune.finetune.worker import _data_spec
 

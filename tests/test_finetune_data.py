@@ -26,7 +26,6 @@ tokenizers = pytest.importorskip("tokenizers")
 from zerotune.finetune import assets  # noqa: E402
 from zerotune.finetune.assets import Asset, AssetError, asset_path  # noqa: E402
 from zerotune.finetune.data import (  # noqa: E402
-    IGNORE_INDEX,
     DataError,
     DataSpec,
     check_num_labels,
@@ -34,6 +33,9 @@ from zerotune.finetune.data import (  # noqa: E402
     load_chatterbot_qa,
     load_classification_data,
     load_files,
+)
+from zerotune.finetune.tokenization import (  # noqa: E402
+    IGNORE_INDEX,
     make_collator,
     tokenize_causal_lm,
     tokenize_classification,

@@ -117,7 +117,8 @@ def test_bundled_default_improves_accuracy_within_five_minutes(tmp_path: Path) -
     # The saved model, loaded the usual way, reproduces the reported accuracy on the held-out split.
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from zerotune.finetune.data import load_classification_data, make_collator, tokenize_classification
+    from zerotune.finetune.data import load_classification_data
+    from zerotune.finetune.tokenization import make_collator, tokenize_classification
     from zerotune.finetune.recipe import load_recipe
     from zerotune.finetune.worker import _data_spec
 
