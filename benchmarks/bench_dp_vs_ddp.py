@@ -170,16 +170,22 @@ def run_phase(phase: str, args: argparse.Namespace) -> list[dict]:
             return json.load(handle)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The workload knobs every benchmark of this family shares (REFERENCE.md's GPT-2 setup by default)."""
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro", type=int, default=4)
     parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP's bucket_cap_mb; same bytes for zerotune")
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="DDP's bucket_cap_mb; the same bytes for zerotune's all-reduce buckets")
+    return parser
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    args = add_workload_arguments(parser).parse_args()
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # RSS then tracks live memory (REFERENCE.md)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 

@@ -50,7 +50,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dp_vs_ddp import MODEL, _batch, _free_port, _storage_bytes, _timed  # noqa: E402
+from bench_dp_vs_ddp import (MODEL, _batch, _free_port, _storage_bytes, _timed,  # noqa: E402
+                            add_workload_arguments)
 
 METHODS = ("ddp", "zero_optimizer_ddp", "fsdp2", "stage0", "stage1", "stage2")
 ZEROTUNE_STAGES = {"stage0": 0, "stage1": 1, "stage2": 2}
@@ -366,17 +367,10 @@ def report(per_rank: list[dict], args: argparse.Namespace, psi: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="DDP's bucket_cap_mb; the same bytes for zerotune stage 0's all-reduce buckets")
+    parser = add_workload_arguments(
+        argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     parser.add_argument("--zero-bucket-mb", type=float, default=4.0,
                         help="stage 2's reduce_bucket_size in MiB of fp32 (its in-flight gradient buckets)")
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--methods", type=_parse_methods, default=METHODS,
                         help=f"comma-separated subset of {','.join(METHODS)}")
     args = parser.parse_args()

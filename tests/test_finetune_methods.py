@@ -26,8 +26,6 @@ def test_lora_trains_only_adapters_and_saves_adapter_and_merged_model(tmp_path: 
 
 
 def test_lora_merge_writes_a_plain_loadable_model(tmp_path: Path) -> None:
-    import argparse
-
     recipe = write_recipe(tmp_path, 2, lr=1e-2)
     out = tmp_path / "run"
     run_distributed(_merge_run, 2, str(recipe), str(out), timeout=240)
@@ -36,7 +34,6 @@ def test_lora_merge_writes_a_plain_loadable_model(tmp_path: Path) -> None:
     merged = AutoModelForSequenceClassification.from_pretrained(out / "merged")
     assert not any("lora_" in n for n, _ in merged.named_parameters())
     assert json.loads((out / "summary.json").read_text())["method"] == "lora"
-    del argparse
 
 
 def _merge_run(recipe: str, output: str) -> dict:
