@@ -125,7 +125,7 @@ class Engine(torch.nn.Module):
     @property
     def sharded(self) -> bool:
         """Whether optimizer state and masters are partitioned over the data-parallel ranks (ZeRO >= 1)."""
-        return isinstance(self.state, ShardedState)
+        return not isinstance(self.state, ReplicatedState)
 
     @property
     def grad_sync(self):
@@ -259,7 +259,8 @@ class Engine(torch.nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """This rank's bytes of model state, by kind (the ZeRO paper's accounting).
 
-        ``params``: the model's parameters (trainable and frozen); ``grads``: gradient storage
+        ``params``: the model's parameters (trainable and frozen; at stage 3 this rank's shards,
+        gathered units counted in ``comm_buffers``); ``grads``: gradient storage
         (fp32 buckets at stage 0, full flat buffers at stage 1, this rank's slice at stage 2);
         ``master_weights``: separate fp32 masters (none in fp32 training); ``optimizer_state``;
         ``comm_buffers``: communication staging beyond the gradients (stage-2 buckets in flight).
@@ -269,7 +270,7 @@ class Engine(torch.nn.Module):
         if self.optimizer is not None:
             optimizer_bytes = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                                   for t in s.values() if isinstance(t, torch.Tensor))
-        return {"params": sum(storages.values()), "grads": self.grad_sync.grad_bytes(),
+        return {"params": sum(storages.values()) + self.state.partitioned_param_bytes(), "grads": self.grad_sync.grad_bytes(),
                 "master_weights": self.state.master_bytes(), "optimizer_state": optimizer_bytes,
                 "comm_buffers": self.grad_sync.buffer_bytes()}
 

@@ -28,8 +28,12 @@ from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.sharded_state import ShardedState
 from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync
 from zerotune.zero.stage2_sync import BucketedReduceGradSync
+from zerotune.zero.stage3.schedule import UnitScheduler
+from zerotune.zero.stage3.sharded_param import sharded_param_of
+from zerotune.zero.stage3.state import Stage3State
+from zerotune.zero.stage3.wrap import partition_model
 
-IMPLEMENTED_ZERO_STAGES = (0, 1, 2)
+IMPLEMENTED_ZERO_STAGES = (0, 1, 2, 3)
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -106,11 +110,15 @@ def _trainable_in_model_order(model: torch.nn.Module, groups: list[dict]) -> lis
 
 
 def _broadcast_from_rank0(model: torch.nn.Module, mesh: ProcessMesh) -> None:
-    """Start every data-parallel replica from rank 0's weights and buffers."""
+    """Start every data-parallel replica from rank 0's weights and buffers.
+
+    Parameters ``zero.Init`` partitioned were broadcast from rank 0 as they were built.
+    """
     group = mesh.group("dp")
     with torch.no_grad():
         for tensor in model.state_dict(keep_vars=True).values():
-            comm.broadcast(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, 0, group)
+            if sharded_param_of(tensor) is None:
+                comm.broadcast(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, 0, group)
 
 
 def _build_optimizer(raw_optimizer: Any, client: Any, master_groups: list[dict]) -> torch.optim.Optimizer | None:
@@ -132,7 +140,7 @@ def _build_optimizer(raw_optimizer: Any, client: Any, master_groups: list[dict])
 
 
 def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Parameter], policy: Any,
-                 mesh: ProcessMesh, model: torch.nn.Module) -> ReplicatedState | ShardedState:
+                 mesh: ProcessMesh, model: torch.nn.Module) -> ReplicatedState | ShardedState | Stage3State:
     """Masters (full or sharded) and the stage's gradient sync; the model is cast to its dtype in between.
 
     Masters are taken from the fp32 parameters before the cast, so they carry no rounding error.
@@ -149,6 +157,8 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
         return state
     chosen = {id(p) for p in trainable}
     group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
+    if zero.stage == 3:
+        return _build_stage3_state(zero, group_params, policy, group, model, predivide)
     state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size))
     model.to(policy.param_dtype)  # the flat parameters are already in this dtype; frozen ones and buffers follow
     if zero.stage == 1:
@@ -159,6 +169,25 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
         state.grad_sync = BucketedReduceGradSync(state.flat_groups, group, bucket_numel=int(zero.reduce_bucket_size),
                                                  position=position, predivide_factor=predivide,
                                                  max_in_flight=2 if zero.overlap_comm else 0)
+    return state
+
+
+def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]], policy: Any, group: Any,
+                        model: torch.nn.Module, predivide: float) -> Stage3State:
+    """Partition the model into units (hooks attached), masters from the fp32 shards, then cast.
+
+    ``model.to(dtype)`` is not used: it would materialize every partitioned parameter's placeholder.
+    """
+    units = partition_model(model, group, group_params,
+                            persistence_threshold=int(zero.stage3_param_persistence_threshold))
+    scheduler = UnitScheduler(units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+                              max_live_numel=int(zero.stage3_max_live_parameters), predivide_factor=predivide,
+                              max_in_flight=2 if zero.overlap_comm else 0)
+    state = Stage3State(units, group_params, policy, group, scheduler)
+    with torch.no_grad():
+        for buffer in model.buffers():
+            if buffer.is_floating_point():
+                buffer.data = buffer.data.to(policy.param_dtype)
     return state
 
 
@@ -210,8 +239,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                   "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=env.rank)
     state = _build_state(cfg, groups, trainable, policy, mesh, model)
     torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
-    if isinstance(torch_optimizer, Lamb) and isinstance(state, ShardedState):
-        raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stage 1/2 is not supported yet: its per-parameter "
+    if isinstance(torch_optimizer, Lamb) and not isinstance(state, ReplicatedState):
+        raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stages 1-3 is not supported yet: its per-parameter "
                                                      "trust ratios need whole parameters; use stage 0 or Adam/AdamW")
     if cfg.lr_scaling is not None and torch_optimizer is not None:
         factor = apply_lr_scaling(torch_optimizer, cfg.lr_scaling.rule, cfg.train_batch_size,

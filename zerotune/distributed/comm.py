@@ -100,6 +100,11 @@ def _run(op: str, group: dist.ProcessGroup | None, nbytes: int, launch: Callable
     return handle
 
 
+# torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases only have the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
@@ -130,7 +135,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist
         output.copy_(input)
         return Handle("reduce_scatter", None, None)
     return _run("reduce_scatter", group, _nbytes(input),
-                lambda: dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op),
+                lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
                 async_op)
 
 
@@ -141,7 +146,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dis
         output.copy_(input)
         return Handle("all_gather", None, None)
     return _run("all_gather", group, _nbytes(output),
-                lambda: dist.all_gather_into_tensor(output, input, group=group, async_op=async_op), async_op)
+                lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op)
 
 
 def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.ProcessGroup | None,

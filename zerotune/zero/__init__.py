@@ -1,0 +1,8 @@
+"""ZeRO: partitioned optimizer state (stage 1), gradients (stage 2) and parameters (stage 3).
+
+``zerotune.zero.Init`` and ``zerotune.zero.GatheredParameters`` are DeepSpeed's stage-3 contexts.
+"""
+
+from zerotune.zero.stage3.gathered import GatheredParameters
+
+__all__ = ["GatheredParameters"]

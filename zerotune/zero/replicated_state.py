@@ -64,6 +64,9 @@ class ReplicatedState:
     def master_bytes(self) -> int:
         return self.weights.master_bytes()
 
+    def partitioned_param_bytes(self) -> int:
+        return 0  # parameters are whole on every rank: counted from the module
+
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()
         for master in self.masters:

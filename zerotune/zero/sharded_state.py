@@ -39,6 +39,16 @@ def _own_fp32_slice(params: Sequence[torch.nn.Parameter], layout: FlatLayout, ra
     return shard
 
 
+def sharded_grad_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> float:
+    """Global L2 norm from every rank's gradient slices: one all-reduce of the summed squares."""
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    if grads:  # per-slice norms in fp32 (cascaded sums: accurate), squared and summed in fp64
+        squares += torch.stack(torch._foreach_norm(list(grads))).double().pow(2).sum()
+    comm.all_reduce(squares, group)
+    return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
+
+
 class ShardedState:
     """Flat parameters + master shards of every param group, and the step phases that use them."""
 
@@ -75,13 +85,7 @@ class ShardedState:
         return [self.grad_sync.shard_grad(g).float() for g in range(len(self.flat_groups))]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        """Global L2 norm from the slices: one all-reduce of the summed squares."""
-        device = grads[0].device if grads else torch.device("cpu")
-        squares = torch.zeros((), dtype=torch.float64, device=device)
-        if grads:  # per-slice norms in fp32 (cascaded sums: accurate), squared and summed in fp64
-            squares += torch.stack(torch._foreach_norm(list(grads))).double().pow(2).sum()
-        comm.all_reduce(squares, self.group)
-        return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
+        return sharded_grad_norm(grads, self.group)
 
     def attach(self, grads: Sequence[torch.Tensor]) -> None:
         for master, grad in zip(self.masters, grads):
@@ -120,6 +124,9 @@ class ShardedState:
 
     def master_bytes(self) -> int:
         return sum(m.numel() * m.element_size() for m in self.masters) if self.policy.mixed else 0
+
+    def partitioned_param_bytes(self) -> int:
+        return 0  # parameters are whole on every rank: counted from the module
 
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()

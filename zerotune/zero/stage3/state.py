@@ -1,0 +1,145 @@
+"""The engine-facing state of ZeRO stage 3: fp32 masters and optimizer groups over the units' shards.
+
+Per unit and optimizer group, one master parameter: this rank's part of that group in the
+unit's trainable shard (contiguous, as ``wrap`` orders a unit's parameters by group). In fp32 it
+is a view of the shard itself (no second copy); in bf16/fp16 a separate fp32 copy taken before
+the model was cast. One step, as for stages 1 and 2: the schedule left each unit's reduced
+gradient slice in ``grad_shard``; the global norm comes from the slices (one all-reduce); the
+optimizer updates the masters; the masters are rounded into the shards. There is nothing to
+all-gather after the step: the next forward gathers each unit as it needs it.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotune.distributed import comm
+from zerotune.precision.policy import PrecisionPolicy
+from zerotune.zero.sharded_state import sharded_grad_norm
+from zerotune.zero.stage3.schedule import UnitScheduler
+from zerotune.zero.stage3.unit import ParamUnit
+
+
+def _group_ranges(unit: ParamUnit, group_of: dict[int, int], n_groups: int) -> list[tuple[int, int]]:
+    """Per optimizer group, the ``[lo, hi)`` of this rank's trainable shard that holds it (maybe empty)."""
+    segment = unit.trainable
+    start, end = segment.layout.owned_range(segment.rank)
+    ranges = []
+    for g in range(n_groups):
+        spans = [(o, o + p.numel()) for p, o in zip(segment.params, segment.layout.offsets) if group_of[id(p)] == g]
+        if not spans:
+            ranges.append((0, 0))
+            continue
+        lo, hi = max(start, spans[0][0]), min(end, spans[-1][1])
+        ranges.append((lo - start, hi - start) if lo < hi else (0, 0))
+    return ranges
+
+
+class Stage3State:
+    """Masters, optimizer groups and step phases over partitioned units (the engine's state interface)."""
+
+    def __init__(self, units: Sequence[ParamUnit], trainable_groups: Sequence[Sequence[torch.nn.Parameter]],
+                 policy: PrecisionPolicy, group: dist.ProcessGroup | None, grad_sync: UnitScheduler) -> None:
+        """Call while the units still hold fp32 values: masters are taken before the cast."""
+        self.units = list(units)
+        self.policy = policy
+        self.group = group
+        self.grad_sync = grad_sync
+        self._groups = [list(g) for g in trainable_groups]
+        group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
+        self.master_flats: dict[int, torch.Tensor] = {}
+        self._slots: list[tuple[int, ParamUnit, int, int]] = []  # (group, unit, lo, hi), one per master
+        for unit in self.units:
+            if unit.trainable is None:
+                continue
+            flat = unit.trainable.local.float().clone() if policy.mixed else unit.trainable.local
+            self.master_flats[id(unit)] = flat
+            for g, (lo, hi) in enumerate(_group_ranges(unit, group_of, len(self._groups))):
+                if hi > lo:
+                    self._slots.append((g, unit, lo, hi))
+        for unit in self.units:
+            unit.cast_(policy.param_dtype)
+        if policy.mixed:  # weights written through GatheredParameters(modifier_rank=...) reach the masters
+            for unit in self.units:
+                if unit.trainable is not None:
+                    flat, local = self.master_flats[id(unit)], unit.trainable.local
+                    unit.trainable.on_local_changed.append(lambda f=flat, l=local: f.copy_(l))
+        self.masters = [torch.nn.Parameter(self.master_flats[id(u)][lo:hi]) for _, u, lo, hi in self._slots]
+        for g in range(len(self._groups)):  # every rank keeps every group, if only with an empty master
+            if not any(slot[0] == g for slot in self._slots):
+                self._slots.append((g, None, 0, 0))
+                self.masters.append(torch.nn.Parameter(torch.zeros(0, dtype=torch.float32)))
+        order = sorted(range(len(self._slots)), key=lambda i: self._slots[i][0])
+        self._slots = [self._slots[i] for i in order]
+        self.masters = [self.masters[i] for i in order]
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for group in self._groups for p in group]
+
+    def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
+        """The user's param groups (hyperparameters kept) with this rank's master slices as parameters."""
+        return [{**{k: v for k, v in group.items() if k != "params"},
+                 "params": [m for (g, *_), m in zip(self._slots, self.masters) if g == index]}
+                for index, group in enumerate(groups)]
+
+    def step_grads(self) -> list[torch.Tensor]:
+        """fp32 gradients of the masters (a transient fp32 copy when training in bf16/fp16)."""
+        return [unit.grad_shard[lo:hi].float() if unit is not None else master.new_zeros(0)
+                for (_, unit, lo, hi), master in zip(self._slots, self.masters)]
+
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        return sharded_grad_norm(grads, self.group)
+
+    def attach(self, grads: Sequence[torch.Tensor]) -> None:
+        for master, grad in zip(self.masters, grads):
+            master.grad = grad
+
+    @torch.no_grad()
+    def update_model(self) -> None:
+        """Round the masters into the shards; units gather the new values when next used."""
+        if self.policy.mixed:
+            for unit in self.units:
+                if unit.trainable is not None:
+                    unit.trainable.local.copy_(self.master_flats[id(unit)])
+        self.grad_sync.after_step()
+
+    @torch.no_grad()
+    def reload_from_model(self) -> None:
+        """Refresh the masters from the shards (after weights were loaded into them)."""
+        if self.policy.mixed:
+            for unit in self.units:
+                if unit.trainable is not None:
+                    self.master_flats[id(unit)].copy_(unit.trainable.local)
+        self.grad_sync.after_step()
+
+    def first_nonfinite_param(self, names: dict[int, str]) -> str:
+        """Name of the first parameter (unit order, over all ranks' slices) with an inf/nan gradient."""
+        local = None
+        for unit in self.units:
+            if unit.trainable is None or local:
+                continue
+            for sharded in unit.trainable.sharded:
+                lo, hi, _ = sharded.local_piece()
+                start = unit.trainable.layout.owned_range(unit.trainable.rank)[0]
+                begin = sharded.offset + lo - start
+                if hi > lo and not torch.isfinite(unit.grad_shard[begin:begin + hi - lo]).all():
+                    local = names.get(id(sharded.param), "<unnamed>")
+                    break
+        found = [name for name in comm.all_gather_object(local, self.group) if name]
+        return found[0] if found else "<none found>"
+
+    def master_bytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.master_flats.values()) if self.policy.mixed else 0
+
+    def partitioned_param_bytes(self) -> int:
+        """This rank's parameter shards (gathered buffers are counted as communication buffers)."""
+        return sum(s.local_bytes() for u in self.units for s in u.segments)
+
+    def zero_grad(self) -> None:
+        self.grad_sync.zero_grad()
+        for master in self.masters:
+            master.grad = None

@@ -1,0 +1,128 @@
+"""One communication unit: a module's parameters that are gathered, released and reduced together.
+
+A unit is typically a transformer block. Its trainable and frozen parameters are two separate
+``FlatSegment``s, so frozen weights (LoRA's base model) never cost gradient communication.
+Trainable parameters are ordered by optimizer group, so each group's part of a rank's shard is
+contiguous: one master view per unit and group.
+
+Gradients: as each trainable parameter's gradient is accumulated, it is added into a full-size
+flat gradient buffer that exists only during the unit's backward, and ``param.grad`` is dropped.
+When the unit's backward is over, the buffer is reduce-scattered (one collective per unit) and
+this rank's slice is added, scaled by 1/N, into ``grad_shard`` -- in the segment's dtype,
+accumulated across micro-steps (stage 2 does the same) -- and the buffer is freed.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotune.distributed import comm
+from zerotune.zero.stage3.segment import FlatSegment
+
+
+class ParamUnit:
+    """The segments of one unit and the gather / release / gradient-reduce steps on them."""
+
+    def __init__(self, name: str, module: torch.nn.Module, trainable: Sequence[torch.nn.Parameter],
+                 frozen: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, *,
+                 persistent: bool = False, is_root: bool = False) -> None:
+        self.name = name
+        self.module = module
+        self.group = group
+        self.world = 1 if group is None else dist.get_world_size(group)
+        self.persistent = persistent
+        """Small units stay gathered between uses (re-gathered once per optimizer step)."""
+        self.is_root = is_root
+        """The root unit stays gathered from its forward to the end of backward (used first and last)."""
+        self.trainable = FlatSegment(trainable, group) if trainable else None
+        self.frozen = FlatSegment(frozen, group) if frozen else None
+        self.segments = [s for s in (self.trainable, self.frozen) if s is not None]
+        self.grad_shard: torch.Tensor | None = None
+        self._offset_of = ({id(p): (o, p.numel()) for p, o in zip(self.trainable.params, self.trainable.layout.offsets)}
+                           if self.trainable else {})
+        self._grad_full: torch.Tensor | None = None
+        self._grads_seen: set[int] = set()
+        self._in_flight: tuple[comm.Handle, torch.Tensor, torch.Tensor] | None = None
+        self.reduced = False
+        """Whether this micro-step's gradients were already reduce-scattered."""
+
+    # ---- parameters ----------------------------------------------------------------------
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        return [p for segment in self.segments for p in segment.params]
+
+    @property
+    def numel(self) -> int:
+        return sum(segment.numel for segment in self.segments)
+
+    @property
+    def gathered(self) -> bool:
+        return all(segment.gathered for segment in self.segments)
+
+    @property
+    def live(self) -> bool:
+        """Gathered or being gathered: its full buffers hold memory."""
+        return any(segment.gathered or segment.in_flight for segment in self.segments)
+
+    def cast_(self, dtype: torch.dtype) -> None:
+        for segment in self.segments:
+            segment.cast_(dtype)
+        if self.trainable is not None:
+            self.grad_shard = torch.zeros_like(self.trainable.local)
+
+    def start_gather(self) -> None:
+        for segment in self.segments:
+            segment.start_gather()
+
+    def finish_gather(self) -> None:
+        for segment in self.segments:
+            segment.finish_gather()
+
+    def release(self) -> None:
+        for segment in self.segments:
+            segment.release()
+
+    # ---- gradients -----------------------------------------------------------------------
+    @torch.no_grad()
+    def add_grad(self, param: torch.nn.Parameter) -> bool:
+        """Move ``param.grad`` into the unit's flat gradient; True once every trainable parameter reported."""
+        if self._grad_full is None:
+            self._grad_full = torch.zeros(self.trainable.layout.padded, dtype=self.trainable.local.dtype,
+                                          device=self.trainable.local.device)
+        offset, numel = self._offset_of[id(param)]
+        self._grad_full[offset:offset + numel].add_(param.grad.reshape(-1))
+        param.grad = None
+        self._grads_seen.add(id(param))
+        return len(self._grads_seen) == len(self._offset_of)
+
+    def launch_reduce(self, pre_factor: float) -> None:
+        """Reduce-scatter this micro-step's gradient (zeros for parameters that got none)."""
+        full = self._grad_full
+        if full is None:
+            full = torch.zeros(self.trainable.layout.padded, dtype=self.trainable.local.dtype,
+                               device=self.trainable.local.device)
+        if pre_factor != 1.0:
+            full.div_(pre_factor)
+        out = torch.empty_like(self.trainable.local)
+        handle = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
+        self._in_flight = (handle, out, full)
+        self._grad_full = None
+        self._grads_seen.clear()
+        self.reduced = True
+
+    def finish_reduce(self, post_factor: float) -> None:
+        if self._in_flight is None:
+            return
+        handle, out, _ = self._in_flight
+        handle.wait()
+        self.grad_shard.add_(out, alpha=post_factor)
+        self._in_flight = None
+
+    def gradient_bytes_in_flight(self) -> int:
+        held = [] if self._grad_full is None else [self._grad_full]
+        if self._in_flight is not None:
+            held += [self._in_flight[1], self._in_flight[2]]
+        return sum(t.numel() * t.element_size() for t in held)
