@@ -59,8 +59,9 @@ ZEROTUNE_STAGES = {"stage0": 0, "stage1": 1, "stage2": 2}
 
 def theoretical_fraction(method: str, world: int) -> float:
     """Model state x DDP for fp32 + Adam: params 4, grads 4, Adam moments 8 bytes per element (no
-    separate master copy in fp32); stage 1 shards the 8, stage 2 the 4 + 8, FSDP2 (stage 3) all 16."""
-    sharded = {"ddp": 0, "stage0": 0, "zero_optimizer_ddp": 8, "stage1": 8, "stage2": 12, "fsdp2": 16}[method]
+    separate master copy in fp32); stage 1 shards the 8, stage 2 the 4 + 8, FSDP2 and stage 3 all 16."""
+    sharded = {"ddp": 0, "stage0": 0, "zero_optimizer_ddp": 8, "stage1": 8, "stage2": 12, "fsdp2": 16,
+               "fsdp2_reshard": 16, "stage3": 16}[method]
     return (16 - sharded + sharded / world) / 16
 
 
@@ -146,14 +147,18 @@ def _build_ddp(model: torch.nn.Module, rank: int, args: argparse.Namespace, devi
     return Built(forward_backward, optimizer_step, state_tensors)
 
 
-def _build_fsdp2(model: torch.nn.Module, rank: int, args: argparse.Namespace, device: torch.device) -> Built:
+def _build_fsdp2(model: torch.nn.Module, rank: int, args: argparse.Namespace, device: torch.device,
+                 reshard_after_forward: bool = False) -> Built:
+    """``fully_shard`` per GPT2Block plus the root. ``reshard_after_forward=False`` keeps the gathered
+    parameters until backward (ZeRO-2-like: no re-gather); ``True`` frees them after each block's
+    forward and gathers again in backward (ZeRO-3-like)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (args.world,))
     for block in model.transformer.h:  # GPT2Block
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)  # ZeRO-2-like: no re-gather in backward
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def forward_backward(step: int) -> None:
@@ -171,7 +176,8 @@ def _build_fsdp2(model: torch.nn.Module, rank: int, args: argparse.Namespace, de
 
 
 def _build_zerotune(model: torch.nn.Module, stage: int, rank: int, args: argparse.Namespace,
-                    device: torch.device) -> Built:
+                    device: torch.device, zero_overrides: dict[str, Any] | None = None) -> Built:
+    """zerotune at ``stage``; ``zero_overrides`` adds or replaces ``zero_optimization`` keys."""
     import zerotune
 
     # Collectives use DDP's bucket bytes, except stage 2's reduce buckets: a stage-2 rank keeps
@@ -183,7 +189,7 @@ def _build_zerotune(model: torch.nn.Module, stage: int, rank: int, args: argpars
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "steps_per_print": 10**9,
               "gradient_clipping": 0.0,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": reduce_bucket,
-                                    "allgather_bucket_size": large}}
+                                    "allgather_bucket_size": large, **(zero_overrides or {})}}
     engine, optimizer, _, _ = zerotune.initialize(model=model, model_parameters=model.parameters(), config=config)
 
     def forward_backward(step: int) -> None:
@@ -200,12 +206,17 @@ def _build_zerotune(model: torch.nn.Module, stage: int, rank: int, args: argpars
     return Built(forward_backward, engine.step, state_tensors, breakdown, counts_comm=True)
 
 
-def build(method: str, rank: int, args: argparse.Namespace, device: torch.device) -> Built:
-    """A fresh GPT-2 (same init for every method) wrapped by ``method``."""
+def new_model(args: argparse.Namespace, device: torch.device | str = "cpu") -> torch.nn.Module:
+    """A fresh random-init GPT-2 of the workload, the same init every call (seeded)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(**MODEL, n_ctx=args.seq, bos_token_id=0, eos_token_id=0)).to(device)
+    return GPT2LMHeadModel(GPT2Config(**MODEL, n_ctx=args.seq, bos_token_id=0, eos_token_id=0)).to(device)
+
+
+def build(method: str, rank: int, args: argparse.Namespace, device: torch.device) -> Built:
+    """A fresh GPT-2 (same init for every method) wrapped by ``method``."""
+    model = new_model(args, device)
     if method in ("ddp", "zero_optimizer_ddp"):
         return _build_ddp(model, rank, args, device, sharded_optimizer=method == "zero_optimizer_ddp")
     if method == "fsdp2":
@@ -223,7 +234,7 @@ def _try(method: str, action: Callable[[], Any]) -> tuple[Any, str | None]:
         return None, f"not available: {error}"
     except Exception as error:  # noqa: BLE001 - reported in the table; the other methods still run
         traceback.print_exc()
-        kind = "not available" if method in ZEROTUNE_STAGES else "not runnable here"
+        kind = "not available" if method.startswith("stage") else "not runnable here"  # zerotune's own
         return None, f"{kind}: {type(error).__name__}: {error}"
 
 
@@ -254,9 +265,10 @@ def _train_step(built: Built, step: int) -> None:
     built.optimizer_step()
 
 
-def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str) -> None:
-    """All methods in the same processes: built, warmed up (the first step may fail: then dropped),
-    timed in a rotating order, then one measured step each."""
+def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_dir: str,
+               builder: Callable[[str, int, argparse.Namespace, torch.device], Built] = build) -> None:
+    """All methods in the same processes: built by ``builder``, warmed up (the first step may fail:
+    then dropped), timed in a rotating order, then one measured step each."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(args.threads)
@@ -266,7 +278,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
     built: dict[str, Built] = {}
     reasons: dict[str, str | None] = {}
     for method in args.methods:
-        built[method], reasons[method] = _try(method, lambda: build(method, rank, args, device))
+        built[method], reasons[method] = _try(method, lambda: builder(method, rank, args, device))
     reasons = _agree(reasons, world)
     for method in [m for m in args.methods if reasons[m] is None]:
         reasons[method] = _try(method, functools.partial(_train_step, built[method], 0))[1]
@@ -290,27 +302,27 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
     dist.destroy_process_group()
 
 
-def run_ranks(args: argparse.Namespace) -> list[dict]:
+def run_ranks(args: argparse.Namespace,
+              builder: Callable[[str, int, argparse.Namespace, torch.device], Built] = build) -> list[dict]:
+    """Per-rank results of ``args.methods``, each built by ``builder`` (a module-level function: it is
+    pickled into the spawned ranks)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(args.world, _free_port(), args, out_dir), nprocs=args.world,
-                           start_method="spawn", join=True)
+        mp.start_processes(_rank_main, args=(args.world, _free_port(), args, out_dir, builder),
+                           nprocs=args.world, start_method="spawn", join=True)
         with open(os.path.join(out_dir, "result.json")) as handle:
             return json.load(handle)
 
 
 def model_numel(args: argparse.Namespace) -> int:
     """Psi: distinct parameter elements (GPT-2 ties the LM head to the token embedding)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    model = GPT2LMHeadModel(GPT2Config(**MODEL, n_ctx=args.seq, bos_token_id=0, eos_token_id=0))
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in new_model(args).parameters())
 
 
-def _parse_methods(text: str) -> tuple[str, ...]:
+def _parse_methods(text: str, choices: tuple[str, ...] = METHODS) -> tuple[str, ...]:
     chosen = tuple(m.strip() for m in text.split(",") if m.strip())
-    unknown = [m for m in chosen if m not in METHODS]
+    unknown = [m for m in chosen if m not in choices]
     if unknown or not chosen:
-        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown or [text]}; choose from {', '.join(METHODS)}")
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown or [text]}; choose from {', '.join(choices)}")
     return chosen
 
 
@@ -318,41 +330,69 @@ def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.1f}"
 
 
-def report(per_rank: list[dict], args: argparse.Namespace, psi: int) -> None:
-    """One table: time and model state x DDP, model state against theory, zerotune comm against 2 x 4 x Psi."""
+Column = tuple[str, int, Callable[[str], str]]  # header, width, the cell's text for a method that ran
+
+
+@dataclass
+class Summary:
+    """Each method's figures across ranks: why it did not run, or its median step time (slowest
+    rank per step) and model-state bytes (largest rank), with ratios to DDP's."""
+
+    reasons: dict[str, str | None]
+    running: list[str]
+    step_s: dict[str, float]
+    state: dict[str, int]
+    measured: dict[str, dict]  # rank 0's _measure_step result
+
+    def time_x_ddp(self, method: str) -> float:
+        return self.step_s[method] / self.step_s["ddp"] if "ddp" in self.step_s else float("nan")
+
+    def state_x_ddp(self, method: str) -> float:
+        return self.state[method] / self.state["ddp"] if "ddp" in self.state else float("nan")
+
+
+def summarize(per_rank: list[dict], args: argparse.Namespace) -> Summary:
     reasons = per_rank[0]["reasons"]
     running = [m for m in args.methods if reasons[m] is None]
     # The slowest rank sets each step's time; compare medians of interleaved steps.
     step_s = {m: statistics.median(max(r["times"][m][i] for r in per_rank) for i in range(args.steps))
               for m in running}
     state = {m: max(r["measured"][m]["model_state_bytes"] for r in per_rank) for m in running}
-    base_s, base_state = step_s.get("ddp"), state.get("ddp")
-    ideal_comm = 2 * 4 * psi
-    print(f"GPT-2 {MODEL} ({psi / 1e6:.2f}M params), {args.world} rank(s), micro-batch {args.micro} x seq "
-          f"{args.seq}, AdamW fp32, {args.steps} interleaved steps per method; buckets: DDP/stage 0 "
-          f"{args.bucket_mb:g} MiB, stage-2 reduce buckets {args.zero_bucket_mb:g} MiB")
-    header = (f"{'method':<19} {'ms/step':>8} {'x DDP':>6} {'state MiB/rank':>14} {'x DDP':>6} {'theory':>6} "
-              f"{'breakdown MiB':>13} {'comm MiB/step':>13} {'x 8Psi':>6}")
+    return Summary(reasons, running, step_s, state, {m: per_rank[0]["measured"][m] for m in running})
+
+
+def time_and_state_columns(summary: Summary, world: int) -> list[Column]:
+    """Step time and model state, each x DDP, and theory's model state x DDP."""
+    return [("ms/step", 8, lambda m: f"{summary.step_s[m] * 1e3:.1f}"),
+            ("x DDP", 6, lambda m: f"{summary.time_x_ddp(m):.3f}"),
+            ("state MiB/rank", 14, lambda m: _mib(summary.state[m])),
+            ("x DDP", 6, lambda m: f"{summary.state_x_ddp(m):.3f}"),
+            ("theory", 6, lambda m: f"{theoretical_fraction(m, world):.3f}")]
+
+
+def comm_columns(summary: Summary, ideal_bytes: Callable[[str], int], label: str) -> list[Column]:
+    """zerotune's bytes per optimizer step and their ratio to ``ideal_bytes(method)``; '-' for torch methods."""
+    def volume(method: str) -> int | None:
+        return summary.measured[method]["comm_bytes"]
+    return [("comm MiB/step", 13, lambda m: _mib(volume(m)) if volume(m) is not None else "-"),
+            (label, 6, lambda m: f"{volume(m) / ideal_bytes(m):.3f}" if volume(m) is not None else "-")]
+
+
+def print_table(methods: Iterable[str], reasons: dict[str, str | None], columns: list[Column]) -> None:
+    """One row per method: its cells, or why it did not run."""
+    header = " ".join([f"{'method':<19}"] + [f"{title:>{width}}" for title, width, _ in columns])
     print(header)
     print("-" * len(header))
-    for method in args.methods:
-        if reasons[method] is not None:
-            print(f"{method:<19} {reasons[method]}")
-            continue
-        measured = per_rank[0]["measured"][method]
-        breakdown = measured["breakdown"]
-        comm_bytes = measured["comm_bytes"]
-        print(f"{method:<19} {step_s[method] * 1e3:>8.1f} "
-              f"{step_s[method] / base_s if base_s else float('nan'):>6.3f} {_mib(state[method]):>14} "
-              f"{state[method] / base_state if base_state else float('nan'):>6.3f} "
-              f"{theoretical_fraction(method, args.world):>6.3f} "
-              f"{_mib(sum(breakdown.values())) if breakdown else '-':>13} "
-              f"{_mib(comm_bytes) if comm_bytes is not None else '-':>13} "
-              f"{f'{comm_bytes / ideal_comm:.3f}' if comm_bytes is not None else '-':>6}")
-    print(f"(theory: fp32 + Adam model state x DDP at N={args.world}; 8Psi = 2 x 4 x Psi = {_mib(ideal_comm)} MiB, "
-          "the per-step volume of DP and ZeRO-1/2 in the ZeRO paper's convention)")
-    for method in running:
-        measured = per_rank[0]["measured"][method]
+    for method in methods:
+        cells = [reasons[method]] if reasons[method] is not None else [
+            f"{cell(method):>{width}}" for _, width, cell in columns]
+        print(" ".join([f"{method:<19}"] + cells))
+
+
+def print_details(summary: Summary) -> None:
+    """Rank 0's engine memory breakdown and per-op communication, where a method reports them."""
+    for method in summary.running:
+        measured = summary.measured[method]
         if measured["breakdown"]:
             parts = ", ".join(f"{k} {_mib(v)}" for k, v in measured["breakdown"].items())
             print(f"  {method} memory_breakdown (MiB, rank 0): {parts}")
@@ -361,24 +401,59 @@ def report(per_rank: list[dict], args: argparse.Namespace, psi: int) -> None:
                               measured["comm_ops"].items())
             print(f"  {method} comm per step (rank 0): {parts}")
 
-    def ratio(method: str) -> str:
-        return f"{step_s[method] / base_s:.2f}" if method in step_s and base_s else "n/a"
-    print(f"\nstep-time ratio stage1/DDP = {ratio('stage1')}, stage2/DDP = {ratio('stage2')} (target <= 1.00)")
+
+def time_ratio(summary: Summary, method: str) -> str:
+    return f"{summary.time_x_ddp(method):.2f}" if method in summary.step_s and "ddp" in summary.step_s else "n/a"
 
 
-def main() -> None:
+def report(per_rank: list[dict], args: argparse.Namespace, psi: int) -> None:
+    """One table: time and model state x DDP, model state against theory, zerotune comm against 2 x 4 x Psi."""
+    summary = summarize(per_rank, args)
+    ideal_comm = 2 * 4 * psi
+    print(f"GPT-2 {MODEL} ({psi / 1e6:.2f}M params), {args.world} rank(s), micro-batch {args.micro} x seq "
+          f"{args.seq}, AdamW fp32, {args.steps} interleaved steps per method; buckets: DDP/stage 0 "
+          f"{args.bucket_mb:g} MiB, stage-2 reduce buckets {args.zero_bucket_mb:g} MiB")
+
+    def breakdown(method: str) -> str:
+        parts = summary.measured[method]["breakdown"]
+        return _mib(sum(parts.values())) if parts else "-"
+    print_table(args.methods, summary.reasons,
+                time_and_state_columns(summary, args.world) + [("breakdown MiB", 13, breakdown)]
+                + comm_columns(summary, lambda m: ideal_comm, "x 8Psi"))
+    print(f"(theory: fp32 + Adam model state x DDP at N={args.world}; 8Psi = 2 x 4 x Psi = {_mib(ideal_comm)} MiB, "
+          "the per-step volume of DP and ZeRO-1/2 in the ZeRO paper's convention)")
+    print_details(summary)
+    print(f"\nstep-time ratio stage1/DDP = {time_ratio(summary, 'stage1')}, "
+          f"stage2/DDP = {time_ratio(summary, 'stage2')} (target <= 1.00)")
+
+
+def benchmark_parser(doc: str, choices: tuple[str, ...], default: tuple[str, ...], bucket_help: str
+                     ) -> argparse.ArgumentParser:
+    """The workload arguments, --zero-bucket-mb and --methods (a comma-separated subset of ``choices``)."""
     parser = add_workload_arguments(
-        argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
-    parser.add_argument("--zero-bucket-mb", type=float, default=4.0,
-                        help="stage 2's reduce_bucket_size in MiB of fp32 (its in-flight gradient buckets)")
-    parser.add_argument("--methods", type=_parse_methods, default=METHODS,
-                        help=f"comma-separated subset of {','.join(METHODS)}")
+        argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter))
+    parser.add_argument("--zero-bucket-mb", type=float, default=4.0, help=bucket_help)
+    parser.add_argument("--methods", type=functools.partial(_parse_methods, choices=choices), default=default,
+                        help=f"comma-separated subset of {','.join(choices)}")
+    return parser
+
+
+def parse_and_run(parser: argparse.ArgumentParser,
+                  builder: Callable[[str, int, argparse.Namespace, torch.device], Built],
+                  report_fn: Callable[[list[dict], argparse.Namespace, int], None]) -> None:
+    """Parse the command line, run the methods on ``--world`` ranks and print ``report_fn``'s table."""
     args = parser.parse_args()
     if args.steps < 1 or args.world < 1:
         parser.error(f"--steps and --world must be >= 1 (got --steps {args.steps}, --world {args.world})")
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # as bench_dp_vs_ddp.py (REFERENCE.md)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    report(run_ranks(args), args, model_numel(args))
+    report_fn(run_ranks(args, builder), args, model_numel(args))
+
+
+def main() -> None:
+    parser = benchmark_parser(__doc__, METHODS, METHODS,
+                              "stage 2's reduce_bucket_size in MiB of fp32 (its in-flight gradient buckets)")
+    parse_and_run(parser, build, report)
 
 
 if __name__ == "__main__":

@@ -48,6 +48,11 @@ def _train(engine, first: int, last: int) -> list[tuple[float, float]]:
     return trace
 
 
+def _whole_weights(engine) -> dict:
+    with zerotune.zero.GatheredParameters(list(engine.module.parameters())):  # stage 3: whole again
+        return {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+
 def _uninterrupted(save_dir: str, precision: str, stage: int) -> dict:
     torch.manual_seed(1234 + torch.distributed.get_rank())
     engine, *_ = zerotune.initialize(model=_dropout_gpt2(), config=_config(precision, stage))
@@ -55,7 +60,7 @@ def _uninterrupted(save_dir: str, precision: str, stage: int) -> dict:
     trace = _train(engine, 0, SAVE_AT)
     engine.save_checkpoint(save_dir, client_state={"note": "midway"})
     trace += _train(engine, SAVE_AT, TOTAL)
-    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    weights = _whole_weights(engine)
     engine.destroy()
     return {"trace": trace, "weights": weights}
 
@@ -67,12 +72,12 @@ def _resumed(save_dir: str, precision: str, stage: int) -> dict:
     path, client_state = engine.load_checkpoint(save_dir)
     steps = engine.global_steps
     trace = _train(engine, SAVE_AT, TOTAL)
-    weights = {k: v.clone() for k, v in engine.module.state_dict().items()}
+    weights = _whole_weights(engine)
     engine.destroy()
     return {"trace": trace, "weights": weights, "client_state": client_state, "path": path, "steps": steps}
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_resume_in_fresh_process_group_is_bit_identical(tmp_path: Path, precision: str, stage: int) -> None:
     full = run_distributed(_uninterrupted, 2, str(tmp_path), precision, stage, timeout=120)

@@ -15,13 +15,16 @@ The engine is assembled by ``zerotune.initialize``; it never reads the config fi
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
 
 from zerotune.checkpoint.engine_state import load_engine_checkpoint, save_engine_checkpoint
+from zerotune.distributed import comm
 from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
+from zerotune.monitor.logging import log_rank0
 from zerotune.monitor.step_report import StepReporter
 from zerotune.monitor.timers import WallClockTimers
 from zerotune.monitor.writers import ScalarWriters
@@ -29,6 +32,8 @@ from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, St
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.sharded_state import ShardedState
+from zerotune.zero.stage3.saving import iter_consolidated, save_consolidated
+from zerotune.zero.stage3.state import Stage3State
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -59,7 +64,7 @@ class Engine(torch.nn.Module):
     """Wraps a model for data-parallel training; see the module docstring for one step's phases."""
 
     def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,
-                 policy: PrecisionPolicy, state: ReplicatedState | ShardedState,
+                 policy: PrecisionPolicy, state: ReplicatedState | ShardedState | Stage3State,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
                  training_dataloader: Any = None) -> None:
@@ -321,6 +326,31 @@ class Engine(torch.nn.Module):
                                       load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
                                       load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the whole model's weights in the training dtype (DeepSpeed's method).
+
+        At stage 3 the units are gathered one at a time; a ``.safetensors`` file name streams them
+        to disk, so rank 0 never holds more than the largest unit (other names are ``torch.save``d).
+        """
+        units = getattr(self.state, "units", None)
+        if units is not None and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            log_rank0("save_16bit_model: nothing saved: ZeRO stage 3 keeps the parameters partitioned; set "
+                      "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to gather them "
+                      "(save_checkpoint saves the shards)", rank=self.global_rank)
+            return False
+        save_consolidated(self.module, units or [], Path(save_dir) / save_filename, rank=self.global_rank,
+                          exclude_frozen=exclude_frozen_parameters)
+        comm.barrier()
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole state dict on rank 0 (empty on the others); every rank must call it."""
+        items = iter_consolidated(self.module, getattr(self.state, "units", []),
+                                  exclude_frozen=exclude_frozen_parameters)
+        gathered = {key: tensor.clone().cpu() for key, tensor in items}
+        return gathered if self.global_rank == 0 else {}
 
     def destroy(self) -> None:
         """Release hooks and writers (DeepSpeed's ``engine.destroy()``)."""

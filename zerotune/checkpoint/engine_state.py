@@ -8,6 +8,8 @@ Layout of ``<save_dir>/<tag>/`` (written through ``checkpoint.atomic``):
 * ``optim_states_rank{r}.pt`` (every rank, ZeRO stages 1-2) that rank's optimizer shard, with
                         the parameter ranges it holds: per group, the (name, numel, offset) of
                         every parameter in the flat layout and the rank's [start, end) slice;
+* ``param_shards_rank{r}.pt`` (every rank, ZeRO stage 3) that rank's parameter shards per unit
+                        (``model_states.pt`` then holds only what is not partitioned: buffers);
 * ``rng_state_rank{r}.pt`` (every rank) torch / CUDA / Python / NumPy generators, so dropout
                         and sampling continue as if never interrupted.
 """
@@ -25,6 +27,7 @@ from zerotune.checkpoint.atomic import (CheckpointError, partial_dir, prepare_pa
                                         resolve_tag, write_file_atomically)
 from zerotune.distributed import comm
 from zerotune.monitor.logging import get_logger
+from zerotune.zero.stage3.sharded_param import sharded_param_of
 
 if TYPE_CHECKING:
     from zerotune.engine import Engine
@@ -92,8 +95,24 @@ def _load_optimizer_state_by_name(engine: Engine, saved: dict, path: Path) -> No
                 engine.state.weights.master_of(p).copy_(saved["fp32_masters"][engine.param_names[id(p)]])
 
 
+def param_shard_file(rank: int) -> str:
+    return f"param_shards_rank{rank}.pt"
+
+
+def _units(engine: Engine) -> list | None:
+    """The stage-3 units (None below stage 3)."""
+    return getattr(engine.state, "units", None)
+
+
 def _shard_layout(engine: Engine) -> list[dict]:
     """What a rank's optimizer shard covers: enough to check (and later reshape) it on load."""
+    if _units(engine) is not None:
+        return [{"unit": unit.name,
+                 "segments": [{"params": [(engine.param_names.get(id(p), "<unnamed>"), p.numel(), offset)
+                                          for p, offset in zip(s.params, s.layout.offsets)],
+                               "shard": s.layout.shard, "owned_range": s.layout.owned_range(s.rank)}
+                              for s in unit.segments]}
+                for unit in _units(engine)]
     return [{"params": [(engine.param_names[id(p)], p.numel(), offset)
                         for p, offset in zip(fg.params, fg.layout.offsets)],
              "shard": fg.layout.shard, "owned_range": fg.layout.owned_range(fg.rank)}
@@ -104,6 +123,27 @@ def _sharded_optimizer_state(engine: Engine) -> dict:
     return {"optimizer": engine.optimizer.state_dict(), "dp_world_size": engine.dp_world_size,
             "layout": _shard_layout(engine),
             "fp32_master_shards": [m.detach().clone() for m in engine.state.masters] if engine.policy.mixed else []}
+
+
+def _module_state(engine: Engine) -> dict:
+    """The module's state dict without partitioned parameters (their shards are saved per rank)."""
+    return {key: value.detach() for key, value in engine.module.state_dict(keep_vars=True).items()
+            if sharded_param_of(value) is None}
+
+
+def _param_shards(engine: Engine) -> dict:
+    return {"layout": _shard_layout(engine),
+            "shards": [[s.local.clone() for s in unit.segments] for unit in _units(engine)]}
+
+
+@torch.no_grad()
+def _load_param_shards(engine: Engine, saved: dict, path: Path) -> None:
+    if saved["layout"] != _shard_layout(engine):
+        raise CheckpointError(f"{path} covers different parameters or ranges than this model's ZeRO-3 layout "
+                              f"(saved on another number of data-parallel ranks, or another model)")
+    for unit, shards in zip(_units(engine), saved["shards"]):
+        for segment, shard in zip(unit.segments, shards):
+            segment.local.copy_(shard)
 
 
 def _load_sharded_optimizer_state(engine: Engine, saved: dict, path: Path) -> None:
@@ -132,7 +172,7 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
     staging = partial_dir(save_dir, tag)
     if engine.global_rank == 0:
         write_file_atomically({
-            "module": engine.module.state_dict(),
+            "module": _module_state(engine),
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
             "loss_scaler": engine.loss_scaler.state_dict(),
@@ -145,12 +185,38 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             write_file_atomically(_optimizer_state_by_name(engine), staging / OPTIM_FILE)
     if engine.sharded and engine.optimizer is not None:
         write_file_atomically(_sharded_optimizer_state(engine), staging / optim_shard_file(engine.global_rank))
+    if _units(engine) is not None:
+        write_file_atomically(_param_shards(engine), staging / param_shard_file(engine.global_rank))
     write_file_atomically(_rng_state(), staging / rng_file(engine.global_rank))
     comm.barrier()
     if engine.global_rank == 0:
         final = publish(save_dir, tag, save_latest)
         get_logger().info("saved checkpoint %s", final)
     comm.barrier()
+
+
+def _load_module(engine: Engine, saved: dict, directory: Path, strict: bool) -> None:
+    """Whole tensors from ``model_states.pt``; at stage 3 the partitioned ones from this rank's shard file."""
+    units = _units(engine)
+    saved_stage = saved["layout"]["zero_stage"]
+    if (units is not None) != (saved_stage == 3):
+        raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading it at stage "
+                              f"{engine.zero_optimization_stage()} is not supported yet (the weights of a "
+                              f"stage-3 run can be exported with save_16bit_model)")
+    if units is None:
+        try:
+            engine.module.load_state_dict(saved["module"], strict=strict)
+        except RuntimeError as error:
+            raise CheckpointError(f"{directory / MODEL_FILE} does not fit this model: {error}") from error
+        return
+    expected = set(_module_state(engine))
+    if strict and set(saved["module"]) != expected:
+        raise CheckpointError(f"{directory / MODEL_FILE} does not fit this model: missing "
+                              f"{sorted(expected - set(saved['module']))[:3]}, "
+                              f"unexpected {sorted(set(saved['module']) - expected)[:3]}")
+    engine.module.load_state_dict(saved["module"], strict=False)
+    path = directory / param_shard_file(engine.global_rank)
+    _load_param_shards(engine, read_file(path, "ZeRO-3 parameter shards"), path)
 
 
 def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, load_module_strict: bool,
@@ -164,10 +230,7 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
     saved = read_file(directory / MODEL_FILE, "model states")
-    try:
-        engine.module.load_state_dict(saved["module"], strict=load_module_strict)
-    except RuntimeError as error:
-        raise CheckpointError(f"{directory / MODEL_FILE} does not fit this model: {error}") from error
+    _load_module(engine, saved, directory, load_module_strict)
     engine.state.reload_from_model()
     if load_module_only:
         return str(directory), saved["client_state"]

@@ -4,5 +4,7 @@
 """
 
 from zerotune.zero.stage3.gathered import GatheredParameters
+from zerotune.zero.stage3.init import Init
+from zerotune.zero.stage3.loading import WeightLoadingError, load_partitioned_weights
 
-__all__ = ["GatheredParameters"]
+__all__ = ["GatheredParameters", "Init", "load_partitioned_weights", "WeightLoadingError"]

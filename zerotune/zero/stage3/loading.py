@@ -200,6 +200,7 @@ def load_partitioned_weights(model: torch.nn.Module, path: str | os.PathLike, *,
     loaded: list[str] = []
     missing: list[str] = []
     used: set[str] = set()
+    touched: dict[int, Any] = {}
     with ExitStack() as stack:
         handles: dict[Path, Any] = {}
         for names, tensor in _model_tensors(model):
@@ -212,8 +213,14 @@ def load_partitioned_weights(model: torch.nn.Module, path: str | os.PathLike, *,
                 handles[file] = stack.enter_context(_open(file))
             _load_one(tensor, names, key, handles[file], file)
             loaded.append(key)
+            sharded = sharded_param_of(tensor)
+            if sharded is not None:
+                touched[id(sharded.segment)] = sharded.segment
             # A tied weight's other names count as used: the file may hold both copies.
             used.update(k for name in names for k in _candidate_keys(name, prefix))
+    for segment in touched.values():  # a gathered copy is stale now; fp32 masters (if any) follow the shard
+        segment.release()
+        segment.notify_local_changed()
     if strict and missing:
         raise WeightLoadingError(
             f"{len(missing)} model tensor(s) not found in the weights at {path}: {missing[:10]}"

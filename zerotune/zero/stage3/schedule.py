@@ -80,7 +80,8 @@ class UnitScheduler:
         self._pending_inputs: dict[int, int] = {}
         self._grads_complete: set[int] = set()
         self._unit_of = {id(p): u for u in self.units if u.trainable for p in u.trainable.params}
-        self._hooks = []
+        self._hooks = [self.units[0].module.register_state_dict_post_hook(
+            lambda *hook_args: self._refuse_placeholders(*hook_args))] if self.units else []
         for unit in self.units:
             self._hooks.append(unit.module.register_forward_pre_hook(
                 lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True))
@@ -88,6 +89,16 @@ class UnitScheduler:
             if unit.trainable:
                 for param in unit.trainable.params:
                     self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+
+    def _refuse_placeholders(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        """``state_dict()`` of a partitioned model would silently hold placeholders instead of weights."""
+        placeholders = {sp.placeholder_ptr for u in self.units for s in u.segments for sp in s.sharded}
+        for key, value in state_dict.items():
+            if not isinstance(value, torch.nn.Parameter) and value.data_ptr() in placeholders:
+                raise RuntimeError(
+                    f"state_dict(): '{key}' is partitioned by ZeRO stage 3 and holds no values here; use "
+                    "engine.save_16bit_model(...) / engine._zero3_consolidated_16bit_state_dict(), or read it "
+                    "inside zerotune.zero.GatheredParameters(...)")
 
     # ---- forward -------------------------------------------------------------------------
     def _pre_forward(self, unit: ParamUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -51,6 +51,11 @@ class ShardedParam:
         self.state = ParamState.UNSHARDED
         setattr(param, _ATTRIBUTE, self)
 
+    @property
+    def placeholder_ptr(self) -> int:
+        """Address of the placeholder's one element: a tensor with it shows no real values."""
+        return self._placeholder.data_ptr()
+
     def to_unsharded(self) -> None:
         """Show the gathered values (the segment's full buffer must hold them)."""
         self.param.data = self._full_view

@@ -1,0 +1,105 @@
+"""``zerotune.zero.Init``: build a model already partitioned, so no rank ever holds all of it.
+
+DeepSpeed's ``zero.Init`` patches torch's tensor constructors and every module class's
+``__init__``. This one uses torch's public module-registration hook instead: when a module is
+assigned into its parent (``self.attn = Attention(...)``), its ``__init__`` -- parameter
+creation and initialization included -- has just finished, and its parameters are partitioned
+at once (broadcast from rank 0, this rank's slice kept, the whole tensor dropped). So at most
+one module's parameters are whole at any time, initialization code runs unchanged and in the
+same order as without the context (the same seed gives the same weights), and parameters
+registered directly on the top-level module are partitioned when the context exits.
+
+Hugging Face models: partitioned modules are marked initialized, so ``post_init`` does not try
+to rewrite weights that are no longer whole; the weights are each module's own initialization
+(``reset_parameters``), and pretrained weights are loaded per slice with
+``zerotune.zero.load_partitioned_weights``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.modules.module import (register_module_module_registration_hook,
+                                     register_module_parameter_registration_hook)
+
+from zerotune.distributed import comm
+from zerotune.zero.stage3.segment import FlatSegment
+from zerotune.zero.stage3.sharded_param import sharded_param_of
+
+
+def _default_group() -> dist.ProcessGroup | None:
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return dist.group.WORLD
+    return None
+
+
+class Init:
+    """``with zerotune.zero.Init(): model = build()`` -- see the module docstring.
+
+    ``config_dict_or_path`` is validated like ``initialize``'s config. ``dtype``: cast the shards
+    to it (default: keep the dtype the module created, normally fp32, so ``initialize`` takes exact
+    fp32 masters). ``data_parallel_group``: the group to partition over (default: the world).
+    """
+
+    def __init__(self, config_dict_or_path: Any = None, data_parallel_group: dist.ProcessGroup | None = None,
+                 dtype: torch.dtype | None = None, enabled: bool = True, remote_device: str | None = None,
+                 pin_memory: bool = False, mpu: Any = None, module: torch.nn.Module | None = None,
+                 config: Any = None, **_ignored: Any) -> None:
+        del remote_device, pin_memory, mpu  # offload is configured in the engine config (a later layer)
+        source = config_dict_or_path if config_dict_or_path is not None else config
+        if source is not None:
+            from zerotune.config import load_config
+
+            load_config(source)  # bad configs fail here, naming the key, not deep inside training
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"zero.Init(dtype=...) must be a torch.dtype, got {dtype!r}")
+        self.enabled = enabled
+        self.dtype = dtype
+        self.group = data_parallel_group if data_parallel_group is not None else _default_group()
+        self._handles: list[Any] = []
+        self._registered: dict[int, torch.nn.Module] = {}
+        if module is not None and enabled:  # DeepSpeed: partition an already-built module
+            self.partition(module)
+
+    def __enter__(self) -> "Init":
+        if self.enabled:
+            self._handles = [register_module_module_registration_hook(self._on_child_registered),
+                             register_module_parameter_registration_hook(self._on_param_registered)]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        if exc_info[0] is None:
+            for module in self._registered.values():  # e.g. the top-level module's own parameters
+                self.partition(module)
+        self._registered = {}
+
+    def _on_child_registered(self, parent: torch.nn.Module, name: str, child: torch.nn.Module | None) -> None:
+        if child is not None:
+            self.partition(child)
+
+    def _on_param_registered(self, module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None:
+            self._registered[id(module)] = module
+
+    @torch.no_grad()
+    def partition(self, module: torch.nn.Module) -> None:
+        """Partition every parameter of ``module`` not partitioned yet, one submodule at a time."""
+        for submodule in module.modules():
+            params = list({id(p): p for p in submodule.parameters(recurse=False)
+                           if sharded_param_of(p) is None}.values())
+            if not params:
+                continue
+            for param in params:  # every rank starts from rank 0's values (init may differ across ranks)
+                comm.broadcast(param.data, 0, self.group)
+            segment = FlatSegment(params, self.group)
+            if self.dtype is not None:
+                segment.cast_(self.dtype)
+            submodule._is_hf_initialized = True
+            for param in params:
+                param._is_hf_initialized = True
+

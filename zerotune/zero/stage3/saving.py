@@ -1,0 +1,105 @@
+"""The consolidated (whole-model) state dict of a partitioned model, one unit at a time.
+
+Every rank walks the units in the same order (each gather is a collective); only rank 0 keeps
+what it gathers. ``.safetensors`` files are streamed: the header (every tensor's name, dtype,
+shape and byte range) is known from the parameters' shapes before any value is gathered, so
+rank 0 writes each unit's tensors at their offsets and drops them -- its memory stays bounded by
+the largest unit, not the model. Other file names get ``torch.save`` of the assembled dict.
+Files are written under a temporary name and renamed, so a crash never leaves a half file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from zerotune.zero.stage3.gathered import GatheredParameters
+from zerotune.zero.stage3.sharded_param import sharded_param_of
+from zerotune.zero.stage3.unit import ParamUnit
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def _state_entries(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    """State-dict keys -> the live tensors (parameters as objects, so partitioned ones can be found)."""
+    entries = module.state_dict(keep_vars=True)
+    if exclude_frozen:
+        entries = {k: v for k, v in entries.items() if not (isinstance(v, torch.nn.Parameter) and not v.requires_grad)}
+    return entries
+
+
+def iter_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], *,
+                      exclude_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(key, whole tensor)`` for every state-dict entry, gathered one unit at a time (a collective:
+    call on every rank). The tensors are views valid only until the next item is requested."""
+    entries = _state_entries(module, exclude_frozen)
+    keys_of: dict[int, list[str]] = {}
+    for key, tensor in entries.items():
+        keys_of.setdefault(id(tensor), []).append(key)
+    done: set[str] = set()
+    for unit in units:
+        with GatheredParameters(unit.params):
+            for param in unit.params:
+                for key in keys_of.get(id(param), []):
+                    done.add(key)
+                    yield key, param.detach()
+    for key, tensor in entries.items():  # buffers and anything not partitioned
+        if key not in done and sharded_param_of(tensor) is None:
+            yield key, tensor.detach()
+
+
+def _header(entries: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    header, ranges, offset = {}, {}, 0
+    for key, tensor in entries.items():
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"cannot write {key} ({tensor.dtype}) to safetensors")
+        size = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + size]}
+        ranges[key] = (offset, offset + size)
+        offset += size
+    header["__metadata__"] = {"format": "pt"}
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+    return struct.pack("<Q", len(encoded)) + encoded, ranges
+
+
+def save_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], path: str | os.PathLike, *,
+                      rank: int, exclude_frozen: bool = False) -> None:
+    """Write the whole state dict to ``path`` from rank 0 (every rank must call: units are gathered)."""
+    path = Path(path)
+    temporary = path.with_name(f".{path.name}.partial")
+    entries = _state_entries(module, exclude_frozen)
+    streaming = path.suffix == ".safetensors"
+    collected: dict[str, torch.Tensor] = {}
+    handle = None
+    if rank == 0:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if streaming:
+            prefix, ranges = _header(entries)
+            handle = open(temporary, "wb")
+            handle.write(prefix)
+            data_start = len(prefix)
+    try:
+        for key, tensor in iter_consolidated(module, units, exclude_frozen=exclude_frozen):
+            if rank != 0:
+                continue
+            if streaming:
+                handle.seek(data_start + ranges[key][0])
+                handle.write(tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+            else:
+                collected[key] = tensor.clone().cpu()
+    finally:
+        if handle is not None:
+            handle.close()
+    if rank == 0:
+        if not streaming:
+            torch.save(collected, temporary)
+        os.replace(temporary, path)
