@@ -1,4 +1,6 @@
-"""ZeRO 1/2 accounting: model-state memory matches the paper's formulas; comm volume matches stage 0.
+"""ZeRO 1/2/3 accounting: model-state memory matches the paper's formulas; comm volume is stage 0's
+(stages 1, 2) or 1.5x it (stage 3: parameters gathered for forward and again for backward, gradients
+reduce-scattered).
 
 Memory is measured independently of ``engine.memory_breakdown()``: every tensor storage that is
 alive in the process after the step and was not alive before the model was built.
@@ -16,7 +18,7 @@ import zerotune
 from tests.harness import run_distributed
 from zerotune.distributed import comm
 
-REDUCE_BUCKET, ALLGATHER_BUCKET = 2**18, 2**18  # elements
+REDUCE_BUCKET, ALLGATHER_BUCKET, PREFETCH = 2**18, 2**18, 2**21  # elements
 
 
 def _live_storages() -> dict[int, int]:
@@ -47,7 +49,8 @@ def _model_state(stage: int, precision: str) -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
               "zero_optimization": {"stage": stage, "reduce_bucket_size": REDUCE_BUCKET,
-                                    "allgather_bucket_size": ALLGATHER_BUCKET}}
+                                    "allgather_bucket_size": ALLGATHER_BUCKET,
+                                    "stage3_prefetch_bucket_size": PREFETCH}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     engine, *_ = zerotune.initialize(model=_wide_mlp(), config=config)
@@ -67,10 +70,11 @@ def _model_state(stage: int, precision: str) -> dict:
 FORMULAS = {  # bytes per rank for bf16 params + fp32 masters + AdamW, N ranks (ZeRO paper)
     1: lambda psi, n: 4 * psi + 12 * psi / n,
     2: lambda psi, n: 2 * psi + 14 * psi / n,
+    3: lambda psi, n: 16 * psi / n,
 }
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_adamw_model_state_matches_the_zero_formula_on_4_ranks(stage: int) -> None:
     results = run_distributed(_model_state, 4, stage, "bf16", timeout=180)
     for result in results:
@@ -78,12 +82,16 @@ def test_bf16_adamw_model_state_matches_the_zero_formula_on_4_ranks(stage: int) 
         assert psi >= 10_000_000
         formula = FORMULAS[stage](psi, 4)
         allowance = 2 * (REDUCE_BUCKET + ALLGATHER_BUCKET)  # the configured buckets, in bf16
+        if stage == 3:
+            allowance = 2 * PREFETCH  # units gathered ahead (released after the step, so normally 0)
         assert result["measured"] <= 1.05 * formula + allowance, (result["measured"] / formula, result["breakdown"])
         assert result["measured"] >= 0.95 * formula  # the measurement does see the model state
         breakdown = result["breakdown"]
         assert breakdown["master_weights"] == pytest.approx(4 * psi / 4, rel=1e-3)
         assert breakdown["optimizer_state"] == pytest.approx(8 * psi / 4, rel=1e-3)
         assert breakdown["grads"] == pytest.approx(2 * psi / (1 if stage == 1 else 4), rel=1e-3)
+        if stage == 3:
+            assert breakdown["params"] == pytest.approx(2 * psi / 4, rel=1e-3)
 
 
 def test_fp32_stage2_needs_no_master_copy() -> None:
@@ -105,3 +113,10 @@ def test_stage1_and_stage2_move_as_many_bytes_per_step_as_stage0() -> None:
     assert volumes[0] == pytest.approx(2 * 4 * psi, rel=1e-3)  # the paper's 2 Psi, in fp32 bytes
     for stage in (1, 2):
         assert volumes[stage] == pytest.approx(volumes[0], rel=0.01), volumes
+
+
+def test_stage3_moves_one_and_a_half_times_stage0s_bytes_per_step() -> None:
+    volumes = {stage: run_distributed(_model_state, 2, stage, "fp32", timeout=180)[0]["comm"] for stage in (0, 3)}
+    stage0, stage3 = sum(volumes[0].values()), sum(volumes[3].values())
+    assert stage3 == pytest.approx(1.5 * stage0, rel=0.02), (stage3 / stage0, volumes[3])
+    assert volumes[3]["all_gather"] == pytest.approx(2 / 3 * stage3, rel=0.01)  # forward + backward gathers

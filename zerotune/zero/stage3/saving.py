@@ -93,7 +93,8 @@ def save_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], path:
                 continue
             if streaming:
                 handle.seek(data_start + ranges[key][0])
-                handle.write(tensor.contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
+                # a copy: sharing the gathered buffer with numpy would pin its storage (no more release)
+                handle.write(tensor.reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())
             else:
                 collected[key] = tensor.clone().cpu()
     finally:
