@@ -98,7 +98,7 @@ def _generate(model_dir: Path, question: str, max_new_tokens: int) -> tuple[int,
     return len(new), tokenizer.decode(new, skip_special_tokens=True)
 
 
-@pytest.mark.parametrize("stage", [0, 2])
+@pytest.mark.parametrize("stage", [0, 3])
 def test_lora_causal_lm_lowers_answer_loss_and_merged_model_generates(tmp_path: Path, stage: int) -> None:
     recipe = write_recipe(tmp_path, stage)
     out = tmp_path / "run"

@@ -11,7 +11,7 @@ from tests.harness import run_distributed
 from tests.test_finetune_run import _run_worker, write_recipe
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_lora_trains_only_adapters_and_saves_adapter_and_merged_model(tmp_path: Path, stage: int) -> None:
     recipe = write_recipe(tmp_path, stage, lr=1e-2, max_steps=36)
     overrides = ["method.type=lora", "method.r=4", "method.alpha=8", "method.target_modules=[query,value]"]
@@ -25,8 +25,9 @@ def test_lora_trains_only_adapters_and_saves_adapter_and_merged_model(tmp_path: 
     assert lora_weights and all(p.numel() > 0 for p in lora_weights)  # real tensors, never torch.Size([0])
 
 
-def test_lora_merge_writes_a_plain_loadable_model(tmp_path: Path) -> None:
-    recipe = write_recipe(tmp_path, 2, lr=1e-2)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_merge_writes_a_plain_loadable_model(tmp_path: Path, stage: int) -> None:
+    recipe = write_recipe(tmp_path, stage, lr=1e-2)
     out = tmp_path / "run"
     run_distributed(_merge_run, 2, str(recipe), str(out), timeout=240)
     from transformers import AutoModelForSequenceClassification

@@ -73,7 +73,7 @@ def _run_worker(recipe: str, output: str, resume: bool, overrides: list[str]) ->
     return run(args)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_finetune_tiny_bert_learns_and_saves_a_loadable_model(tmp_path: Path, stage: int) -> None:
     recipe = write_recipe(tmp_path, stage)
     out = tmp_path / "run"

@@ -12,6 +12,9 @@ from typing import Any
 
 import torch
 
+from zerotune.zero.stage3.gathered import GatheredParameters
+from zerotune.zero.stage3.saving import save_consolidated
+
 # LoRA targets when the recipe does not name them, by the model's ``config.model_type``.
 DEFAULT_LORA_TARGETS = {
     "bert": ["query", "key", "value", "dense"],
@@ -120,14 +123,14 @@ def trainable_summary(model: torch.nn.Module) -> str:
 def save_model(model: Any, tokenizer: Any, output_dir: Path, *, merge: bool) -> list[Path]:
     """Write the model in Hugging Face format (safetensors); for adapters also the peft adapter.
 
-    Under ZeRO stages 0-2 every rank holds full parameters, so rank 0 saves real tensors --
-    never the empty placeholders that partitioned parameters would give.
+    Call on rank 0 with whole parameters (``save_trained_model`` gathers them at ZeRO stage 3).
     """
     written = []
     is_peft = hasattr(model, "peft_config")
-    if is_peft:
+    if is_peft:  # an adapter is its trainable tensors (LoRA factors, prompt encoder, modules_to_save)
         adapter_dir = output_dir / "adapter"
-        model.save_pretrained(adapter_dir, safe_serialization=True, state_dict=_detached_state_dict(model))
+        trainable = {name: p.detach().clone().contiguous() for name, p in model.named_parameters() if p.requires_grad}
+        model.save_pretrained(adapter_dir, safe_serialization=True, state_dict=trainable)
         tokenizer.save_pretrained(adapter_dir)
         written.append(adapter_dir)
     if not is_peft or merge:
@@ -139,8 +142,30 @@ def save_model(model: Any, tokenizer: Any, output_dir: Path, *, merge: bool) -> 
     return written
 
 
+def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: bool) -> list[Path]:
+    """``save_model`` for any ZeRO stage; every rank calls it.
+
+    At stage 3 a full fine-tune is streamed one unit at a time (``model.safetensors`` + config), an
+    adapter gathers only the trainable tensors, and a merged export gathers the whole model on
+    every rank for the duration of the merge.
+    """
+    rank, model = engine.global_rank, engine.module
+    units = getattr(engine.state, "units", None)
+    if units is None:
+        return save_model(model, tokenizer, output_dir, merge=merge) if rank == 0 else []
+    if not hasattr(model, "peft_config"):
+        model_dir = output_dir / "model"
+        save_consolidated(model, units, model_dir / "model.safetensors", rank=rank)
+        if rank == 0:
+            model.config.save_pretrained(model_dir)
+            tokenizer.save_pretrained(model_dir)
+        return [model_dir]
+    needed = [p for p in model.parameters() if merge or p.requires_grad]
+    with GatheredParameters(needed):
+        return save_model(model, tokenizer, output_dir, merge=merge) if rank == 0 else []
+
+
 def _detached_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Own copies of every tensor: under ZeRO the parameters are views of one flat buffer, which
     safetensors would refuse (or deduplicate) as shared memory."""
     return {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()}
-

@@ -22,7 +22,7 @@ from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
 from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
 from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
-from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_model,
+from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_trained_model,
                                       trainable_summary)
 from zerotune.finetune.recipe import load_recipe, recipe_engine_config
 from zerotune.monitor.logging import log_rank0
@@ -150,8 +150,8 @@ def run(args: argparse.Namespace) -> dict:
                "wall_seconds": time.perf_counter() - started, "samples_per_s": throughput["samples_per_s"],
                "peak_memory_mib_per_rank": peaks, "task": recipe.task, "method": recipe.method.type,
                "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage()}
+    save_trained_model(engine, tokenizer, output, merge=args.merge)
     if env.rank == 0:
-        save_model(engine.module, tokenizer, output, merge=args.merge)
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         what = "answer loss" if recipe.task == "causal-lm" else "accuracy"
         print(f"{what} on the held-out split: {summary['before']:.3f} before -> {summary['after']:.3f} after "
