@@ -82,8 +82,8 @@ def test_bf16_adamw_model_state_matches_the_zero_formula_on_4_ranks(stage: int) 
         assert psi >= 10_000_000
         formula = FORMULAS[stage](psi, 4)
         allowance = 2 * (REDUCE_BUCKET + ALLGATHER_BUCKET)  # the configured buckets, in bf16
-        if stage == 3:
-            allowance = 2 * PREFETCH  # units gathered ahead (released after the step, so normally 0)
+        if stage == 3:  # units gathered ahead (released after the step) and the recycled gradient buffers
+            allowance = 2 * (PREFETCH + REDUCE_BUCKET)  # units gathered ahead; recycled gradient buffers
         assert result["measured"] <= 1.05 * formula + allowance, (result["measured"] / formula, result["breakdown"])
         assert result["measured"] >= 0.95 * formula  # the measurement does see the model state
         breakdown = result["breakdown"]

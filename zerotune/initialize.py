@@ -31,6 +31,7 @@ from zerotune.zero.stage2_sync import BucketedReduceGradSync
 from zerotune.zero.stage3.schedule import UnitScheduler
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 from zerotune.zero.stage3.state import Stage3State
+from zerotune.zero.stage3.unit import BufferPool
 from zerotune.zero.stage3.wrap import partition_model
 
 IMPLEMENTED_ZERO_STAGES = (0, 1, 2, 3)
@@ -178,11 +179,12 @@ def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]],
 
     ``model.to(dtype)`` is not used: it would materialize every partitioned parameter's placeholder.
     """
-    units = partition_model(model, group, group_params,
+    in_flight = 2 if zero.overlap_comm else 0
+    units = partition_model(model, group, group_params, buffers=BufferPool(capacity_numel=int(zero.reduce_bucket_size)),
                             persistence_threshold=int(zero.stage3_param_persistence_threshold))
     scheduler = UnitScheduler(units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
                               max_live_numel=int(zero.stage3_max_live_parameters), predivide_factor=predivide,
-                              max_in_flight=2 if zero.overlap_comm else 0)
+                              max_in_flight=in_flight)
     state = Stage3State(units, group_params, policy, group, scheduler)
     with torch.no_grad():
         for buffer in model.buffers():

@@ -228,9 +228,10 @@ class UnitScheduler:
         return sum(u.grad_shard.numel() * u.grad_shard.element_size() for u in self.units if u.grad_shard is not None)
 
     def buffer_bytes(self) -> int:
-        """Gathered full buffers and gradient buffers held right now."""
+        """Gathered full buffers, gradient buffers in use and the recycled ones held for the next units."""
         gathered = sum(s.gathered_bytes() for u in self.units for s in u.segments)
-        return gathered + sum(u.gradient_bytes_in_flight() for u in self.units)
+        pooled = self.units[0].buffers.nbytes() if self.units else 0
+        return gathered + pooled + sum(u.gradient_bytes_in_flight() for u in self.units)
 
     def remove_hooks(self) -> None:
         for hook in self._hooks:

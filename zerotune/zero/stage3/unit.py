@@ -23,12 +23,44 @@ from zerotune.distributed import comm
 from zerotune.zero.stage3.segment import FlatSegment
 
 
+class BufferPool:
+    """Recycled flat buffers for the units' transient gradients, shared by all units.
+
+    On CPU a fresh multi-MiB buffer is a fresh ``mmap``: zero-filled pages faulted in one by one,
+    which costs more than the copies themselves. Gradient buffers live only while a unit's
+    backward and reduce-scatter run, so a few recycled ones serve every unit. The free ones kept
+    total at most ``capacity_numel`` elements (``reduce_bucket_size``: the stage-3 counterpart of
+    the reduce buckets stages 1 and 2 keep).
+    """
+
+    def __init__(self, capacity_numel: int) -> None:
+        self.capacity_numel = capacity_numel
+        self._free: list[torch.Tensor] = []
+
+    def take(self, numel: int, like: torch.Tensor, zero: bool) -> torch.Tensor:
+        fits = [i for i, t in enumerate(self._free)
+                if t.numel() >= numel and t.dtype == like.dtype and t.device == like.device]
+        if fits:
+            buffer = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))[:numel]
+            return buffer.zero_() if zero else buffer
+        return (torch.zeros if zero else torch.empty)(numel, dtype=like.dtype, device=like.device)
+
+    def give(self, buffer: torch.Tensor) -> None:
+        whole = buffer if buffer._base is None else buffer._base
+        kept = sum(t.numel() for t in self._free)
+        if kept + whole.numel() <= self.capacity_numel:
+            self._free.append(whole)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._free)
+
+
 class ParamUnit:
     """The segments of one unit and the gather / release / gradient-reduce steps on them."""
 
     def __init__(self, name: str, module: torch.nn.Module, trainable: Sequence[torch.nn.Parameter],
                  frozen: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, *,
-                 persistent: bool = False, is_root: bool = False) -> None:
+                 persistent: bool = False, is_root: bool = False, buffers: BufferPool | None = None) -> None:
         self.name = name
         self.module = module
         self.group = group
@@ -41,6 +73,7 @@ class ParamUnit:
         self.frozen = FlatSegment(frozen, group) if frozen else None
         self.segments = [s for s in (self.trainable, self.frozen) if s is not None]
         self.grad_shard: torch.Tensor | None = None
+        self.buffers = buffers or BufferPool(capacity_numel=0)
         self._offset_of = ({id(p): (o, p.numel()) for p, o in zip(self.trainable.params, self.trainable.layout.offsets)}
                            if self.trainable else {})
         self._grad_full: torch.Tensor | None = None
@@ -90,8 +123,7 @@ class ParamUnit:
     def add_grad(self, param: torch.nn.Parameter) -> bool:
         """Move ``param.grad`` into the unit's flat gradient; True once every trainable parameter reported."""
         if self._grad_full is None:
-            self._grad_full = torch.zeros(self.trainable.layout.padded, dtype=self.trainable.local.dtype,
-                                          device=self.trainable.local.device)
+            self._grad_full = self.buffers.take(self.trainable.layout.padded, self.trainable.local, zero=True)
         offset, numel = self._offset_of[id(param)]
         self._grad_full[offset:offset + numel].add_(param.grad.reshape(-1))
         param.grad = None
@@ -102,11 +134,10 @@ class ParamUnit:
         """Reduce-scatter this micro-step's gradient (zeros for parameters that got none)."""
         full = self._grad_full
         if full is None:
-            full = torch.zeros(self.trainable.layout.padded, dtype=self.trainable.local.dtype,
-                               device=self.trainable.local.device)
+            full = self.buffers.take(self.trainable.layout.padded, self.trainable.local, zero=True)
         if pre_factor != 1.0:
             full.div_(pre_factor)
-        out = torch.empty_like(self.trainable.local)
+        out = self.buffers.take(self.trainable.local.numel(), self.trainable.local, zero=False)
         handle = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
         self._in_flight = (handle, out, full)
         self._grad_full = None
@@ -116,9 +147,11 @@ class ParamUnit:
     def finish_reduce(self, post_factor: float) -> None:
         if self._in_flight is None:
             return
-        handle, out, _ = self._in_flight
+        handle, out, full = self._in_flight
         handle.wait()
         self.grad_shard.add_(out, alpha=post_factor)
+        self.buffers.give(full)
+        self.buffers.give(out)
         self._in_flight = None
 
     def gradient_bytes_in_flight(self) -> int:

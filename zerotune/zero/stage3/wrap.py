@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.zero.stage3.sharded_param import sharded_param_of
-from zerotune.zero.stage3.unit import ParamUnit
+from zerotune.zero.stage3.unit import BufferPool, ParamUnit
 
 ROOT = ""
 
@@ -60,7 +60,7 @@ def assign_params(model: torch.nn.Module, unit_names: Sequence[str]) -> dict[str
 
 def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
                     trainable_groups: Sequence[Sequence[torch.nn.Parameter]], *,
-                    persistence_threshold: int) -> list[ParamUnit]:
+                    persistence_threshold: int, buffers: BufferPool | None = None) -> list[ParamUnit]:
     """Partition every parameter of ``model`` into units; returns them root first.
 
     ``trainable_groups``: the optimizer's param groups (trainable parameters only). Inside a unit
@@ -81,7 +81,7 @@ def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
         frozen = [p for p in owned if id(p) not in group_of]
         numel = sum(p.numel() for p in owned)
         units.append(ParamUnit(name, modules[name], trainable, frozen, group, is_root=name == ROOT,
-                               persistent=numel < persistence_threshold))
+                               persistent=numel < persistence_threshold, buffers=buffers))
         for segment in previous.values():
             if all(sharded_param_of(p).segment is not segment for p in segment.params):
                 segment.discard()
