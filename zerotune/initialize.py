@@ -24,6 +24,7 @@ from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_schedu
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import policy_from_flags
 from zerotune.zero.allreduce_sync import AllReduceGradSync
+from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.sharded_state import ShardedState
 from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync
@@ -158,9 +159,11 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
         return state
     chosen = {id(p) for p in trainable}
     group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
+    placement = _master_placement(zero)
     if zero.stage == 3:
-        return _build_stage3_state(zero, group_params, policy, group, model, predivide)
-    state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size))
+        return _build_stage3_state(zero, group_params, policy, group, model, predivide, placement)
+    state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size),
+                         placement=placement)
     model.to(policy.param_dtype)  # the flat parameters are already in this dtype; frozen ones and buffers follow
     if zero.stage == 1:
         state.grad_sync = ReduceAtBoundaryGradSync(state.flat_groups, group, bucket_numel=int(zero.reduce_bucket_size),
@@ -173,8 +176,19 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
     return state
 
 
+def _master_placement(zero: Any) -> MasterPlacement:
+    """``offload_optimizer``: fp32 masters and optimizer state in host memory (ZeRO-Offload)."""
+    offload = zero.offload_optimizer
+    if offload.device == "none":
+        return MasterPlacement()
+    if zero.stage == 0:
+        raise ConfigError("zero_optimization.offload_optimizer.device",
+                          f"{offload.device} needs ZeRO stage 1, 2 or 3 (the stage is 0)")
+    return MasterPlacement(device=torch.device("cpu"), pin_memory=bool(offload.pin_memory))
+
+
 def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]], policy: Any, group: Any,
-                        model: torch.nn.Module, predivide: float) -> Stage3State:
+                        model: torch.nn.Module, predivide: float, placement: MasterPlacement) -> Stage3State:
     """Partition the model into units (hooks attached), masters from the fp32 shards, then cast.
 
     ``model.to(dtype)`` is not used: it would materialize every partitioned parameter's placeholder.
@@ -185,7 +199,7 @@ def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]],
     scheduler = UnitScheduler(units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
                               max_live_numel=int(zero.stage3_max_live_parameters), predivide_factor=predivide,
                               max_in_flight=in_flight)
-    state = Stage3State(units, group_params, policy, group, scheduler)
+    state = Stage3State(units, group_params, policy, group, scheduler, placement)
     with torch.no_grad():
         for buffer in model.buffers():
             if buffer.is_floating_point():

@@ -122,7 +122,7 @@ def _shard_layout(engine: Engine) -> list[dict]:
 def _sharded_optimizer_state(engine: Engine) -> dict:
     return {"optimizer": engine.optimizer.state_dict(), "dp_world_size": engine.dp_world_size,
             "layout": _shard_layout(engine),
-            "fp32_master_shards": [m.detach().clone() for m in engine.state.masters] if engine.policy.mixed else []}
+            "fp32_master_shards": [m.detach().clone() for m in engine.state.masters] if engine.state.separate else []}
 
 
 def _module_state(engine: Engine) -> dict:
@@ -154,7 +154,7 @@ def _load_sharded_optimizer_state(engine: Engine, saved: dict, path: Path) -> No
     if saved["layout"] != _shard_layout(engine):
         raise CheckpointError(f"{path} covers different parameters or ranges than this model's ZeRO layout")
     engine.optimizer.load_state_dict(saved["optimizer"])
-    if engine.policy.mixed:
+    if engine.state.separate:
         with torch.no_grad():
             for master, shard in zip(engine.state.masters, saved["fp32_master_shards"]):
                 master.copy_(shard)

@@ -23,6 +23,7 @@ class ReplicatedState:
         """Call while the parameters still hold their fp32 values: masters are taken before rounding."""
         self.policy = policy
         self.weights = MasterWeights(params, policy)
+        self.separate = policy.mixed
         self.grad_sync = grad_sync
 
     @property

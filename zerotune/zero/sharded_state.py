@@ -25,6 +25,7 @@ import torch.distributed as dist
 from zerotune.distributed import comm
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.flat_params import FlatParamGroup
+from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.partition import FlatLayout, flat_layout
 
 
@@ -53,9 +54,12 @@ class ShardedState:
     """Flat parameters + master shards of every param group, and the step phases that use them."""
 
     def __init__(self, group_params: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
-                 group: dist.ProcessGroup | None, *, allgather_bucket_numel: int) -> None:
+                 group: dist.ProcessGroup | None, *, allgather_bucket_numel: int,
+                 placement: MasterPlacement | None = None) -> None:
         """Call while the parameters still hold their fp32 values: masters are taken before rounding."""
         self.policy = policy
+        self.placement = placement or MasterPlacement()
+        self.separate = self.placement.separate_masters(policy.mixed)
         self.group = group
         self.rank = 0 if group is None else dist.get_rank(group)
         world = 1 if group is None else dist.get_world_size(group)
@@ -64,11 +68,12 @@ class ShardedState:
         self.masters: list[torch.nn.Parameter] = []
         for params in group_params:
             layout = flat_layout([p.numel() for p in params], world)
-            fp32_slice = _own_fp32_slice(params, layout, self.rank) if policy.mixed else None
+            fp32_slice = _own_fp32_slice(params, layout, self.rank) if self.separate else None
             fg = FlatParamGroup(params, world, self.rank, dtype=policy.param_dtype)
             self.flat_groups.append(fg)
-            # fp32: the master shard *is* the model's slice (a view); mixed: a separate fp32 copy.
-            self.masters.append(torch.nn.Parameter(fp32_slice if policy.mixed else fg.owned))
+            # fp32 without offload: the master shard *is* the model's slice (a view); else a separate fp32 copy.
+            master = self.placement.place(fp32_slice) if self.separate else fg.owned
+            self.masters.append(torch.nn.Parameter(master))
         self.grad_sync = None
 
     @property
@@ -88,21 +93,21 @@ class ShardedState:
         return sharded_grad_norm(grads, self.group)
 
     def attach(self, grads: Sequence[torch.Tensor]) -> None:
-        for master, grad in zip(self.masters, grads):
+        for master, grad in zip(self.masters, self.placement.grads_for(self.masters, grads)):
             master.grad = grad
 
     @torch.no_grad()
     def update_model(self) -> None:
         """Round the updated master slices into the flat parameters, then all-gather every rank's slice."""
         for fg, master in zip(self.flat_groups, self.masters):
-            if self.policy.mixed:
+            if self.separate:
                 fg.owned.copy_(master)
             fg.all_gather(self.group, self.allgather_bucket_numel)
 
     @torch.no_grad()
     def reload_from_model(self) -> None:
         """Refresh the master slices from the model (after loading weights into the module only)."""
-        if self.policy.mixed:
+        if self.separate:
             for fg, master in zip(self.flat_groups, self.masters):
                 master.copy_(fg.owned)
 
@@ -123,7 +128,7 @@ class ShardedState:
         return found[0] if found else "<none found>"
 
     def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.masters) if self.policy.mixed else 0
+        return sum(m.numel() * m.element_size() for m in self.masters) if self.separate else 0
 
     def partitioned_param_bytes(self) -> int:
         return 0  # parameters are whole on every rank: counted from the module

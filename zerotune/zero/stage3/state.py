@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm
 from zerotune.precision.policy import PrecisionPolicy
+from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.sharded_state import sharded_grad_norm
 from zerotune.zero.stage3.schedule import UnitScheduler
 from zerotune.zero.stage3.unit import ParamUnit
@@ -42,10 +43,13 @@ class Stage3State:
     """Masters, optimizer groups and step phases over partitioned units (the engine's state interface)."""
 
     def __init__(self, units: Sequence[ParamUnit], trainable_groups: Sequence[Sequence[torch.nn.Parameter]],
-                 policy: PrecisionPolicy, group: dist.ProcessGroup | None, grad_sync: UnitScheduler) -> None:
+                 policy: PrecisionPolicy, group: dist.ProcessGroup | None, grad_sync: UnitScheduler,
+                 placement: MasterPlacement | None = None) -> None:
         """Call while the units still hold fp32 values: masters are taken before the cast."""
         self.units = list(units)
         self.policy = policy
+        self.placement = placement or MasterPlacement()
+        self.separate = self.placement.separate_masters(policy.mixed)
         self.group = group
         self.grad_sync = grad_sync
         self._groups = [list(g) for g in trainable_groups]
@@ -55,14 +59,14 @@ class Stage3State:
         for unit in self.units:
             if unit.trainable is None:
                 continue
-            flat = unit.trainable.local.float().clone() if policy.mixed else unit.trainable.local
+            flat = self.placement.place(unit.trainable.local) if self.separate else unit.trainable.local
             self.master_flats[id(unit)] = flat
             for g, (lo, hi) in enumerate(_group_ranges(unit, group_of, len(self._groups))):
                 if hi > lo:
                     self._slots.append((g, unit, lo, hi))
         for unit in self.units:
             unit.cast_(policy.param_dtype)
-        if policy.mixed:  # weights written through GatheredParameters(modifier_rank=...) reach the masters
+        if self.separate:  # weights written through GatheredParameters(modifier_rank=...) reach the masters
             for unit in self.units:
                 if unit.trainable is not None:
                     flat, local = self.master_flats[id(unit)], unit.trainable.local
@@ -95,13 +99,13 @@ class Stage3State:
         return sharded_grad_norm(grads, self.group)
 
     def attach(self, grads: Sequence[torch.Tensor]) -> None:
-        for master, grad in zip(self.masters, grads):
+        for master, grad in zip(self.masters, self.placement.grads_for(self.masters, grads)):
             master.grad = grad
 
     @torch.no_grad()
     def update_model(self) -> None:
         """Round the masters into the shards; units gather the new values when next used."""
-        if self.policy.mixed:
+        if self.separate:
             for unit in self.units:
                 if unit.trainable is not None:
                     unit.trainable.local.copy_(self.master_flats[id(unit)])
@@ -110,7 +114,7 @@ class Stage3State:
     @torch.no_grad()
     def reload_from_model(self) -> None:
         """Refresh the masters from the shards (after weights were loaded into them)."""
-        if self.policy.mixed:
+        if self.separate:
             for unit in self.units:
                 if unit.trainable is not None:
                     self.master_flats[id(unit)].copy_(unit.trainable.local)
@@ -133,7 +137,7 @@ class Stage3State:
         return found[0] if found else "<none found>"
 
     def master_bytes(self) -> int:
-        return sum(f.numel() * f.element_size() for f in self.master_flats.values()) if self.policy.mixed else 0
+        return sum(f.numel() * f.element_size() for f in self.master_flats.values()) if self.separate else 0
 
     def partitioned_param_bytes(self) -> int:
         """This rank's parameter shards (gathered buffers are counted as communication buffers)."""

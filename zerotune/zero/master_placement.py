@@ -1,0 +1,56 @@
+"""Where the fp32 master weights and the optimizer state live: with the parameters, or on the host.
+
+``offload_optimizer: {device: cpu}`` (ZeRO-Offload) keeps them in host memory -- page-locked when
+CUDA is present, so the copies can overlap -- and the optimizer steps there: gradients are
+copied to the host before the step and the updated masters back into the model's shards after
+it. On a CPU-only machine the host *is* the device, and the same path runs (separate masters,
+the same copies), so it is tested here. Offload changes where state lives, never the numbers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class MasterPlacement:
+    """``device`` None: masters with the parameters (views of them in fp32); else that (host) device."""
+
+    device: torch.device | None = None
+    pin_memory: bool = False
+    _grads: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def offloaded(self) -> bool:
+        return self.device is not None
+
+    def separate_masters(self, mixed_precision: bool) -> bool:
+        """Whether masters are a copy (mixed precision, or living elsewhere) rather than views of the shards."""
+        return mixed_precision or self.offloaded
+
+    def place(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An fp32 copy of ``tensor`` where the masters live."""
+        device = self.device or tensor.device
+        master = torch.empty(tensor.shape, dtype=torch.float32, device=device,
+                             pin_memory=self.pin_memory and device.type == "cpu" and torch.cuda.is_available())
+        return master.copy_(tensor)
+
+    def grads_for(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The gradients where the masters are (host copies into reused buffers when offloading)."""
+        if not self.offloaded:
+            return list(grads)
+        placed = []
+        for master, grad in zip(masters, grads):
+            buffer = self._grads.get(id(master))
+            if buffer is None or buffer.shape != master.shape:
+                buffer = self._grads[id(master)] = torch.empty_like(master)
+            placed.append(buffer.copy_(grad, non_blocking=buffer.is_pinned()))
+        if torch.cuda.is_available() and any(g.is_cuda for g in grads):
+            torch.cuda.current_stream().synchronize()  # the step reads the host copies next
+        return placed
+
+    def grad_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._grads.values())
