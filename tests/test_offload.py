@@ -69,3 +69,12 @@ def test_cpu_optimizer_offload_in_bf16_reproduces_the_run_exactly(stage: int) ->
     result = run_distributed(_compare, 2, "gpt2", stage, "bf16", CPU, timeout=120)[0]
     assert result["offloaded"].losses == result["plain"].losses
     assert result["same_weights"]
+
+
+def test_cpu_parameter_offload_at_stage3_reproduces_the_run_exactly() -> None:
+    offload = {"offload_param": {"device": "cpu", "pin_memory": True}, **CPU}
+    for model_name in ("mlp", "gpt2"):
+        result = run_distributed(_compare, 2, model_name, 3, "fp32", offload, timeout=120)[0]
+        assert result["offloaded"].losses == result["plain"].losses
+        assert result["offloaded"].grad_norms == result["plain"].grad_norms
+        assert result["same_weights"]

@@ -194,8 +194,11 @@ def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]],
     ``model.to(dtype)`` is not used: it would materialize every partitioned parameter's placeholder.
     """
     in_flight = 2 if zero.overlap_comm else 0
+    offload = zero.offload_param
     units = partition_model(model, group, group_params, buffers=BufferPool(capacity_numel=int(zero.reduce_bucket_size)),
-                            persistence_threshold=int(zero.stage3_param_persistence_threshold))
+                            persistence_threshold=int(zero.stage3_param_persistence_threshold),
+                            shard_device=torch.device("cpu") if offload.device == "cpu" else None,
+                            pin_memory=bool(offload.pin_memory))
     scheduler = UnitScheduler(units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
                               max_live_numel=int(zero.stage3_max_live_parameters), predivide_factor=predivide,
                               max_in_flight=in_flight)

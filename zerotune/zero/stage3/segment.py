@@ -27,10 +27,13 @@ class FlatSegment:
     """A flat, sharded buffer of parameters that are gathered and released together."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, local_device: torch.device | None = None,
+                 pin_memory: bool = False) -> None:
         """Copy the parameters' current (full) values in; afterwards they are SHARDED.
 
         The segment keeps the parameters' dtype; ``cast_`` changes it (after fp32 masters were taken).
+        ``local_device``: where the shard lives between uses (``offload_param: {device: cpu}``: the
+        host, page-locked if ``pin_memory``); it is copied to the gather device for each gather.
         """
         self.params = list(params)
         self.group = group
@@ -44,7 +47,8 @@ class FlatSegment:
             for param, offset in zip(self.params, self.layout.offsets):
                 full[offset:offset + param.numel()].copy_(param.detach().reshape(-1))
         start, end = self.layout.owned_range(self.rank)
-        self.local = full[start:end].clone()
+        self._pin = pin_memory and torch.cuda.is_available()
+        self.local = self._on_local_device(full[start:end].clone(), local_device)
         self._pending: comm.Handle | None = None
         self.on_local_changed: list[Callable[[], None]] = []
         """Called after ``local`` was overwritten outside training (e.g. to refresh fp32 masters)."""
@@ -63,13 +67,18 @@ class FlatSegment:
         self.gathered = True
         self.release()
 
+    def _on_local_device(self, shard: torch.Tensor, local_device: torch.device | None) -> torch.Tensor:
+        if local_device is None or shard.device == local_device:
+            return shard
+        return torch.empty(shard.shape, dtype=shard.dtype, device=local_device, pin_memory=self._pin).copy_(shard)
+
     @torch.no_grad()
     def cast_(self, dtype: torch.dtype) -> None:
         """Change the segment's (and so the parameters') dtype; call while released, before training."""
         if dtype == self.local.dtype:
             return
-        self.local = self.local.to(dtype)
-        self._bind(torch.empty(self.layout.padded, dtype=dtype, device=self.local.device))
+        self.local = self._on_local_device(self.local.to(dtype), self.local.device)
+        self._bind(torch.empty(self.layout.padded, dtype=dtype, device=self.full.device))
 
     @property
     def state(self) -> ParamState:
@@ -84,7 +93,9 @@ class FlatSegment:
         if self.gathered or self._pending is not None:
             return
         self.full.untyped_storage().resize_(self._full_bytes)
-        self._pending = comm.all_gather_into_tensor(self.full, self.local, self.group, async_op=True)
+        source = self.local if self.local.device == self.full.device else self.local.to(self.full.device,
+                                                                                            non_blocking=self._pin)
+        self._pending = comm.all_gather_into_tensor(self.full, source, self.group, async_op=True)
 
     def finish_gather(self) -> None:
         """Wait for the gather (starting it if needed) and show the full values in the parameters."""

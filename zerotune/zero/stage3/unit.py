@@ -60,7 +60,8 @@ class ParamUnit:
 
     def __init__(self, name: str, module: torch.nn.Module, trainable: Sequence[torch.nn.Parameter],
                  frozen: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, *,
-                 persistent: bool = False, is_root: bool = False, buffers: BufferPool | None = None) -> None:
+                 persistent: bool = False, is_root: bool = False, buffers: BufferPool | None = None,
+                 shard_device: torch.device | None = None, pin_memory: bool = False) -> None:
         self.name = name
         self.module = module
         self.group = group
@@ -69,8 +70,8 @@ class ParamUnit:
         """Small units stay gathered between uses (re-gathered once per optimizer step)."""
         self.is_root = is_root
         """The root unit stays gathered from its forward to the end of backward (used first and last)."""
-        self.trainable = FlatSegment(trainable, group) if trainable else None
-        self.frozen = FlatSegment(frozen, group) if frozen else None
+        self.trainable = FlatSegment(trainable, group, local_device=shard_device, pin_memory=pin_memory) if trainable else None
+        self.frozen = FlatSegment(frozen, group, local_device=shard_device, pin_memory=pin_memory) if frozen else None
         self.segments = [s for s in (self.trainable, self.frozen) if s is not None]
         self.grad_shard: torch.Tensor | None = None
         self.buffers = buffers or BufferPool(capacity_numel=0)

@@ -60,12 +60,14 @@ def assign_params(model: torch.nn.Module, unit_names: Sequence[str]) -> dict[str
 
 def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
                     trainable_groups: Sequence[Sequence[torch.nn.Parameter]], *,
-                    persistence_threshold: int, buffers: BufferPool | None = None) -> list[ParamUnit]:
+                    persistence_threshold: int, buffers: BufferPool | None = None,
+                    shard_device: torch.device | None = None, pin_memory: bool = False) -> list[ParamUnit]:
     """Partition every parameter of ``model`` into units; returns them root first.
 
     ``trainable_groups``: the optimizer's param groups (trainable parameters only). Inside a unit
     the trainable parameters are ordered by group, so a group's part of each shard is contiguous.
     Parameters already partitioned by ``zero.Init`` are gathered one unit at a time and re-laid out.
+    ``shard_device``: where the shards live between uses (``offload_param``), default with the model.
     """
     group_of = {id(p): g for g, params in enumerate(trainable_groups) for p in params}
     modules = dict(model.named_modules())
@@ -81,7 +83,8 @@ def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
         frozen = [p for p in owned if id(p) not in group_of]
         numel = sum(p.numel() for p in owned)
         units.append(ParamUnit(name, modules[name], trainable, frozen, group, is_root=name == ROOT,
-                               persistent=numel < persistence_threshold, buffers=buffers))
+                               persistent=numel < persistence_threshold, buffers=buffers,
+                               shard_device=shard_device, pin_memory=pin_memory))
         for segment in previous.values():
             if all(sharded_param_of(p).segment is not segment for p in segment.params):
                 segment.discard()
