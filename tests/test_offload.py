@@ -78,3 +78,24 @@ def test_cpu_parameter_offload_at_stage3_reproduces_the_run_exactly() -> None:
         assert result["offloaded"].losses == result["plain"].losses
         assert result["offloaded"].grad_norms == result["plain"].grad_norms
         assert result["same_weights"]
+
+
+def _nvme(path: str, buffer_count: int = 4) -> dict:
+    return {"offload_optimizer": {"device": "nvme", "nvme_path": path, "buffer_count": buffer_count},
+            "sub_group_size": 97}  # many small, unevenly sized chunks
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
+def test_nvme_optimizer_offload_reproduces_the_run_exactly(tmp_path, model_name: str, stage: int) -> None:
+    result = run_distributed(_compare, 2, model_name, stage, "fp32", _nvme(str(tmp_path)), timeout=180)[0]
+    assert result["offloaded"].losses == result["plain"].losses
+    assert result["offloaded"].grad_norms == result["plain"].grad_norms
+    assert result["same_weights"]
+    assert list(tmp_path.glob("zerotune_optimizer_rank*/*.swp"))  # the state did live in files
+
+
+def test_nvme_optimizer_offload_with_read_ahead_buffers_in_bf16(tmp_path) -> None:
+    result = run_distributed(_compare, 2, "gpt2", 3, "bf16", _nvme(str(tmp_path), buffer_count=9), timeout=180)[0]
+    assert result["offloaded"].losses == result["plain"].losses
+    assert result["same_weights"]

@@ -234,7 +234,7 @@ class Engine(torch.nn.Module):
             if coefficient != 1.0:
                 torch._foreach_mul_(grads, coefficient)
             self.state.attach(grads)
-            self.optimizer.step()
+            self.state.placement.step(self.optimizer)
             self.state.update_model()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)

@@ -9,6 +9,7 @@ device with rank 0's weights -> fp32 masters -> model cast to its dtype -> gradi
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -24,6 +25,8 @@ from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_schedu
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import policy_from_flags
 from zerotune.zero.allreduce_sync import AllReduceGradSync
+from zerotune.offload.nvme_optimizer import NvmePlacement
+from zerotune.offload.swap_files import AioSettings, SwapStore
 from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.sharded_state import ShardedState
@@ -159,7 +162,7 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
         return state
     chosen = {id(p) for p in trainable}
     group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
-    placement = _master_placement(zero)
+    placement = _master_placement(cfg, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
     if zero.stage == 3:
         return _build_stage3_state(zero, group_params, policy, group, model, predivide, placement)
     state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size),
@@ -176,15 +179,20 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
     return state
 
 
-def _master_placement(zero: Any) -> MasterPlacement:
-    """``offload_optimizer``: fp32 masters and optimizer state in host memory (ZeRO-Offload)."""
+def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
+    """``offload_optimizer``: fp32 masters and optimizer state in host memory (ZeRO-Offload) or in
+    swap files under ``nvme_path`` (ZeRO-Infinity), one directory per rank."""
+    zero = cfg.zero_optimization
     offload = zero.offload_optimizer
     if offload.device == "none":
         return MasterPlacement()
     if zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device",
                           f"{offload.device} needs ZeRO stage 1, 2 or 3 (the stage is 0)")
-    return MasterPlacement(device=torch.device("cpu"), pin_memory=bool(offload.pin_memory))
+    if offload.device == "cpu":
+        return MasterPlacement(device=torch.device("cpu"), pin_memory=bool(offload.pin_memory))
+    store = SwapStore(Path(offload.nvme_path) / f"zerotune_optimizer_rank{rank}", AioSettings.from_config(cfg.aio))
+    return NvmePlacement(store, sub_group_size=int(zero.sub_group_size), buffer_count=int(offload.buffer_count))
 
 
 def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]], policy: Any, group: Any,

@@ -23,9 +23,22 @@ class MasterPlacement:
     pin_memory: bool = False
     _grads: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
+    resident = True
+    """Whether the masters hold their values in memory (NVMe offload keeps them in files)."""
+
     @property
     def offloaded(self) -> bool:
         return self.device is not None
+
+    def adopt(self, masters: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> None:
+        """Take charge of the masters once built; ``shards[i]``: the model's shard master i rounds into."""
+
+    def optimizer_params(self, master_index: int, master: torch.nn.Parameter) -> list[torch.nn.Parameter]:
+        """What the optimizer steps for master ``master_index`` (NVMe offload: one proxy per chunk)."""
+        return [master]
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.step()
 
     def separate_masters(self, mixed_precision: bool) -> bool:
         """Whether masters are a copy (mixed precision, or living elsewhere) rather than views of the shards."""

@@ -12,6 +12,7 @@ from typing import Sequence
 import torch
 
 from zerotune.precision.policy import MasterWeights, PrecisionPolicy
+from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.allreduce_sync import AllReduceGradSync
 
 
@@ -24,6 +25,7 @@ class ReplicatedState:
         self.policy = policy
         self.weights = MasterWeights(params, policy)
         self.separate = policy.mixed
+        self.placement = MasterPlacement()  # stage 0 keeps masters with the parameters
         self.grad_sync = grad_sync
 
     @property

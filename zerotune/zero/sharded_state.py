@@ -74,6 +74,8 @@ class ShardedState:
             # fp32 without offload: the master shard *is* the model's slice (a view); else a separate fp32 copy.
             master = self.placement.place(fp32_slice) if self.separate else fg.owned
             self.masters.append(torch.nn.Parameter(master))
+        if self.separate:
+            self.placement.adopt(self.masters, [fg.owned for fg in self.flat_groups])
         self.grad_sync = None
 
     @property
@@ -82,8 +84,9 @@ class ShardedState:
 
     def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
         """The user's param groups (hyperparameters kept) with their master shard as the only parameter."""
-        return [{**{k: v for k, v in group.items() if k != "params"}, "params": [master]}
-                for group, master in zip(groups, self.masters)]
+        return [{**{k: v for k, v in group.items() if k != "params"},
+                 "params": self.placement.optimizer_params(index, master)}
+                for index, (group, master) in enumerate(zip(groups, self.masters))]
 
     def step_grads(self) -> list[torch.Tensor]:
         """fp32 gradients of the master shards (a transient fp32 copy when training in bf16/fp16)."""
@@ -100,7 +103,7 @@ class ShardedState:
     def update_model(self) -> None:
         """Round the updated master slices into the flat parameters, then all-gather every rank's slice."""
         for fg, master in zip(self.flat_groups, self.masters):
-            if self.separate:
+            if self.separate and self.placement.resident:  # (NVMe offload rounded each chunk as it stepped)
                 fg.owned.copy_(master)
             fg.all_gather(self.group, self.allgather_bucket_numel)
 
@@ -108,8 +111,11 @@ class ShardedState:
     def reload_from_model(self) -> None:
         """Refresh the master slices from the model (after loading weights into the module only)."""
         if self.separate:
-            for fg, master in zip(self.flat_groups, self.masters):
-                master.copy_(fg.owned)
+            for index, (fg, master) in enumerate(zip(self.flat_groups, self.masters)):
+                if self.placement.resident:
+                    master.copy_(fg.owned)
+                else:
+                    self.placement.refresh(index, fg.owned)
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str:
         """Name of the first parameter (in model order, over all ranks' slices) with an inf/nan gradient."""
@@ -128,7 +134,7 @@ class ShardedState:
         return found[0] if found else "<none found>"
 
     def master_bytes(self) -> int:
-        return sum(m.numel() * m.element_size() for m in self.masters) if self.separate else 0
+        return sum(m.numel() * m.element_size() for m in self.masters) if self.separate else 0  # 0 when in files
 
     def partitioned_param_bytes(self) -> int:
         return 0  # parameters are whole on every rank: counted from the module

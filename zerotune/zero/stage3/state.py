@@ -66,11 +66,6 @@ class Stage3State:
                     self._slots.append((g, unit, lo, hi))
         for unit in self.units:
             unit.cast_(policy.param_dtype)
-        if self.separate:  # weights written through GatheredParameters(modifier_rank=...) reach the masters
-            for unit in self.units:
-                if unit.trainable is not None:
-                    flat, local = self.master_flats[id(unit)], unit.trainable.local
-                    unit.trainable.on_local_changed.append(lambda f=flat, l=local: f.copy_(l))
         self.masters = [torch.nn.Parameter(self.master_flats[id(u)][lo:hi]) for _, u, lo, hi in self._slots]
         for g in range(len(self._groups)):  # every rank keeps every group, if only with an empty master
             if not any(slot[0] == g for slot in self._slots):
@@ -79,6 +74,27 @@ class Stage3State:
         order = sorted(range(len(self._slots)), key=lambda i: self._slots[i][0])
         self._slots = [self._slots[i] for i in order]
         self.masters = [self.masters[i] for i in order]
+        if self.separate:
+            self.placement.adopt(self.masters, [self._shard_of(i) for i in range(len(self._slots))])
+            if not self.placement.resident:
+                self.master_flats = {}  # the values live in the placement's files
+            for unit in self.units:  # weights written via GatheredParameters(modifier_rank=...) reach the masters
+                if unit.trainable is not None:
+                    unit.trainable.on_local_changed.append(lambda u=unit: self._refresh_masters(u))
+
+    def _shard_of(self, slot: int) -> torch.Tensor:
+        """The part of a unit's shard (model dtype) that master ``slot`` rounds into."""
+        _, unit, lo, hi = self._slots[slot]
+        return unit.trainable.local[lo:hi] if unit is not None else torch.zeros(0)
+
+    @torch.no_grad()
+    def _refresh_masters(self, unit: ParamUnit) -> None:
+        if self.placement.resident:
+            self.master_flats[id(unit)].copy_(unit.trainable.local)
+            return
+        for slot, (_, owner, _, _) in enumerate(self._slots):
+            if owner is unit:
+                self.placement.refresh(slot, self._shard_of(slot))
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -87,7 +103,8 @@ class Stage3State:
     def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
         """The user's param groups (hyperparameters kept) with this rank's master slices as parameters."""
         return [{**{k: v for k, v in group.items() if k != "params"},
-                 "params": [m for (g, *_), m in zip(self._slots, self.masters) if g == index]}
+                 "params": [p for slot, ((g, *_), m) in enumerate(zip(self._slots, self.masters)) if g == index
+                            for p in self.placement.optimizer_params(slot, m)]}
                 for index, group in enumerate(groups)]
 
     def step_grads(self) -> list[torch.Tensor]:
@@ -105,7 +122,7 @@ class Stage3State:
     @torch.no_grad()
     def update_model(self) -> None:
         """Round the masters into the shards; units gather the new values when next used."""
-        if self.separate:
+        if self.separate and self.placement.resident:  # (NVMe offload rounded each chunk as it stepped)
             for unit in self.units:
                 if unit.trainable is not None:
                     unit.trainable.local.copy_(self.master_flats[id(unit)])
@@ -117,7 +134,7 @@ class Stage3State:
         if self.separate:
             for unit in self.units:
                 if unit.trainable is not None:
-                    self.master_flats[id(unit)].copy_(unit.trainable.local)
+                    self._refresh_masters(unit)
         self.grad_sync.after_step()
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str:

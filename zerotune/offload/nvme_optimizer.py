@@ -1,0 +1,209 @@
+"""NVMe offload of the optimizer (ZeRO-Infinity): fp32 masters and optimizer state in swap files.
+
+Each master (this rank's fp32 slice of a param group, or of a unit's group at stage 3) is cut
+into chunks of at most ``sub_group_size`` elements. The torch optimizer -- any of them -- holds
+one *proxy* parameter per chunk; between steps a proxy holds no data and its state tensors live
+in files (only the scalar ``step`` stays in memory). One step walks the chunks:
+
+1. the chunk's master and state are read into pool buffers (the next chunk's read is started
+   while this one is stepped, when the pool has room);
+2. the optimizer steps this chunk alone (the other proxies have no gradient, which every torch
+   optimizer skips), and the updated master is rounded into the model's shard;
+3. master and state are written back asynchronously; the buffers return to the pool when the
+   writes complete.
+
+Resident memory is a few chunks whatever the model size: ``buffer_count`` buffers of
+``sub_group_size`` elements. Chunking changes nothing numerically: the optimizers are elementwise.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from zerotune.offload.buffers import BufferPool
+from zerotune.offload.swap_files import SwapFileError, SwapHandle, SwapStore
+from zerotune.zero.master_placement import MasterPlacement
+
+_EMPTY = torch.empty(0, dtype=torch.float32)
+_ALIGN = 64
+
+
+@dataclass
+class _Chunk:
+    master: int
+    lo: int
+    hi: int
+    proxy: torch.nn.Parameter
+    has_state: bool = False
+    """Whether its optimizer state exists in files (after its first step)."""
+
+    @property
+    def name(self) -> str:
+        return f"m{self.master}_{self.lo}"
+
+    @property
+    def numel(self) -> int:
+        return self.hi - self.lo
+
+
+class NvmePlacement(MasterPlacement):
+    """Masters and optimizer state in ``store``'s files, stepped chunk by chunk through ``pool``."""
+
+    def __init__(self, store: SwapStore, *, sub_group_size: int, buffer_count: int) -> None:
+        super().__init__(device=torch.device("cpu"))
+        self.store = store
+        # Chunks start at multiples of 64 elements: a vectorized (fused) kernel then splits every chunk
+        # into vector body and scalar tail exactly where it splits the whole master -- same bits.
+        self.sub_group_size = max(_ALIGN, int(sub_group_size) // _ALIGN * _ALIGN)
+        self.buffer_count = buffer_count
+        self.pool: BufferPool | None = None
+        self.chunks: list[_Chunk] = []
+        self.shards: list[torch.Tensor] = []
+        self.state_keys: list[str] = []  # tensor state per parameter (exp_avg, ...), known after the first step
+        self._grads: list[torch.Tensor] = []
+        self._allocated: set[str] = set()
+
+    resident = False
+
+    def _allocate(self, name: str, numel: int) -> None:
+        self.store.allocate(name, numel, torch.float32)
+        self._allocated.add(name)
+
+    def adopt(self, masters: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> None:
+        """Move the masters' values into swap files; ``shards[i]`` receives master i, rounded, after each step."""
+        self.shards = list(shards)
+        for index, master in enumerate(masters):
+            flat = master.detach().reshape(-1)
+            for lo in range(0, max(flat.numel(), 1), self.sub_group_size):
+                hi = min(lo + self.sub_group_size, flat.numel())
+                chunk = _Chunk(index, lo, hi, torch.nn.Parameter(_EMPTY.clone()))
+                self._allocate(chunk.name + "_master", chunk.numel)
+                self.store.write(chunk.name + "_master", flat[lo:hi].contiguous()).wait()
+                self.chunks.append(chunk)
+            master.data = _EMPTY  # the values live in the files now
+        largest = max((c.numel for c in self.chunks), default=1)
+        self.pool = BufferPool(self.buffer_count, max(largest, 1))
+
+    def optimizer_params(self, master_index: int, master: torch.nn.Parameter) -> list[torch.nn.Parameter]:
+        return [c.proxy for c in self.chunks if c.master == master_index]
+
+    def grads_for(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        self._grads = [g.reshape(-1) for g in grads]  # read chunk by chunk during the step
+        return [None] * len(grads)
+
+    def refresh(self, master_index: int, values: torch.Tensor) -> None:
+        """Overwrite master ``master_index`` (e.g. after weights were loaded into the model's shard)."""
+        flat = values.detach().reshape(-1).float()
+        for chunk in self.chunks:
+            if chunk.master == master_index:
+                self.store.write(chunk.name + "_master", flat[chunk.lo:chunk.hi].contiguous()).wait()
+
+    # ---- one step ------------------------------------------------------------------------
+    def _load(self, chunk: _Chunk) -> tuple[dict[str, torch.Tensor], list[SwapHandle]]:
+        buffers, handles = {}, []
+        for key in ["master", *(self.state_keys if chunk.has_state else [])]:
+            buffers[key] = self.pool.acquire(chunk.numel)
+            handles.append(self.store.read(f"{chunk.name}_{key}", buffers[key]))
+        return buffers, handles
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        needed = 1 + len(self.state_keys)
+        if self.pool.buffer_count < needed:
+            raise SwapFileError(f"offload_optimizer.buffer_count is {self.pool.buffer_count}; this optimizer keeps "
+                                f"{len(self.state_keys)} state tensor(s) per parameter, so at least {needed} are needed")
+        writes: deque[tuple[list[SwapHandle], list[torch.Tensor], list[torch.Tensor]]] = deque()
+
+        def retire_oldest() -> None:
+            handles, pooled, _written = writes.popleft()  # _written: tensors the writes read, alive until now
+            for handle in handles:
+                handle.wait()
+            for buffer in pooled:
+                self.pool.release(buffer)
+
+        def make_room() -> None:
+            while writes and self.pool.free_count < needed:
+                retire_oldest()
+
+        make_room()
+        upcoming = self._load(self.chunks[0]) if self.chunks else None
+        for i, chunk in enumerate(self.chunks):
+            buffers, reads = upcoming
+            for handle in reads:
+                handle.wait()
+            upcoming = None
+            if i + 1 < len(self.chunks) and self.pool.free_count >= 2 * needed:
+                upcoming = self._load(self.chunks[i + 1])  # read ahead while this chunk steps
+            self._step_chunk(optimizer, chunk, buffers)
+            writes.append(self._store(chunk, buffers, optimizer))
+            while len(writes) > 1:
+                retire_oldest()
+            if upcoming is None and i + 1 < len(self.chunks):
+                make_room()
+                upcoming = self._load(self.chunks[i + 1])
+        while writes:
+            retire_oldest()
+
+    def _step_chunk(self, optimizer: torch.optim.Optimizer, chunk: _Chunk, buffers: dict[str, torch.Tensor]) -> None:
+        proxy = chunk.proxy
+        proxy.data = buffers["master"]
+        proxy.grad = self._grads[chunk.master][chunk.lo:chunk.hi]
+        state = optimizer.state[proxy]
+        state.update({key: buffers[key] for key in self.state_keys if key in buffers})
+        optimizer.step()
+        with torch.no_grad():
+            self.shards[chunk.master].reshape(-1)[chunk.lo:chunk.hi].copy_(proxy.data)
+
+    def _store(self, chunk: _Chunk, buffers: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
+               ) -> tuple[list[SwapHandle], list[torch.Tensor], list[torch.Tensor]]:
+        """Write master and state back; the proxy keeps only its scalar state."""
+        proxy = chunk.proxy
+        state = optimizer.state[proxy]
+        if not self.state_keys:  # the first step created the state: learn its tensors' names
+            self.state_keys = sorted(k for k, v in state.items()
+                                     if isinstance(v, torch.Tensor) and v.shape == proxy.shape)
+        handles, written = [], []
+        for key in ["master", *self.state_keys]:
+            tensor = buffers[key] if key in buffers else state[key]
+            name = f"{chunk.name}_{key}"
+            if name not in self._allocated:
+                self._allocate(name, chunk.numel)
+            written.append(tensor)
+            handles.append(self.store.write(name, tensor))
+        for key in self.state_keys:
+            state.pop(key, None)
+        chunk.has_state = True
+        proxy.data = _EMPTY
+        proxy.grad = None
+        return handles, list(buffers.values()), written
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def files(self) -> list[str]:
+        return [f"{c.name}_{key}" for c in self.chunks for key in ["master", *self.state_keys]]
+
+    def copy_files_to(self, directory: Path) -> None:
+        """Copy every swap file into ``directory`` (a checkpoint), checking each first."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in self.files():
+            self.store.verify(name)
+            shutil.copyfile(self.store.path(name), directory / self.store.path(name).name)
+
+    def copy_files_from(self, directory: Path, state_keys: list[str]) -> None:
+        self.state_keys = list(state_keys)
+        for name in self.files():
+            source = directory / self.store.path(name).name
+            if not source.is_file():
+                raise SwapFileError(f"checkpoint swap file {source} is missing")
+            if name not in self._allocated:
+                chunk = next(c for c in self.chunks if name.startswith(c.name + "_"))
+                self._allocate(name, chunk.numel)
+            shutil.copyfile(source, self.store.path(name))
+            self.store.verify(name)
+
+    def grad_bytes(self) -> int:
+        return 0
