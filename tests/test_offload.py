@@ -99,3 +99,26 @@ def test_nvme_optimizer_offload_with_read_ahead_buffers_in_bf16(tmp_path) -> Non
     result = run_distributed(_compare, 2, "gpt2", 3, "bf16", _nvme(str(tmp_path), buffer_count=9), timeout=180)[0]
     assert result["offloaded"].losses == result["plain"].losses
     assert result["same_weights"]
+
+
+def _nvme_resume(nvme: str, save_dir: str, stage: int) -> dict:
+    world = torch.distributed.get_world_size()
+    config = _config(stage, "fp32", _nvme(nvme))
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=config)
+    engine_run(engine, gpt2_batch, steps=2, gas=GAS, global_rows=2 * world)
+    engine.save_checkpoint(save_dir)
+    expected = engine_run(engine, gpt2_batch, steps=2, gas=GAS, global_rows=2 * world)
+    engine.destroy()
+    config["zero_optimization"]["offload_optimizer"]["nvme_path"] = nvme + "_fresh"
+    engine, *_ = zerotune.initialize(model=make_gpt2(seed=3), config=config)
+    engine.load_checkpoint(save_dir)
+    resumed = engine_run(engine, gpt2_batch, steps=2, gas=GAS, global_rows=2 * world)
+    engine.destroy()
+    return {"expected": expected, "resumed": resumed}
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_nvme_offloaded_checkpoint_resumes_exactly(tmp_path, stage: int) -> None:
+    result = run_distributed(_nvme_resume, 2, str(tmp_path / "nvme"), str(tmp_path / "ckpt"), stage, timeout=180)[0]
+    assert result["resumed"].losses == result["expected"].losses
+    assert result["resumed"].grad_norms == result["expected"].grad_norms

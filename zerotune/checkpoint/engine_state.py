@@ -119,8 +119,13 @@ def _shard_layout(engine: Engine) -> list[dict]:
             for fg in engine.state.flat_groups]
 
 
+def swap_dir(rank: int) -> str:
+    return f"optimizer_swap_rank{rank}"
+
+
 def _sharded_optimizer_state(engine: Engine) -> dict:
     return {"optimizer": engine.optimizer.state_dict(), "dp_world_size": engine.dp_world_size,
+            "swapped_state_keys": list(getattr(engine.state.placement, "state_keys", [])),
             "layout": _shard_layout(engine),
             "fp32_master_shards": [m.detach().clone() for m in engine.state.masters] if engine.state.separate else []}
 
@@ -154,6 +159,10 @@ def _load_sharded_optimizer_state(engine: Engine, saved: dict, path: Path) -> No
     if saved["layout"] != _shard_layout(engine):
         raise CheckpointError(f"{path} covers different parameters or ranges than this model's ZeRO layout")
     engine.optimizer.load_state_dict(saved["optimizer"])
+    placement = engine.state.placement
+    if not placement.resident:  # NVMe offload: masters and state are the swap files saved beside
+        placement.copy_files_from(path.parent / swap_dir(engine.global_rank), saved["swapped_state_keys"])
+        return
     if engine.state.separate:
         with torch.no_grad():
             for master, shard in zip(engine.state.masters, saved["fp32_master_shards"]):
@@ -185,6 +194,8 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             write_file_atomically(_optimizer_state_by_name(engine), staging / OPTIM_FILE)
     if engine.sharded and engine.optimizer is not None:
         write_file_atomically(_sharded_optimizer_state(engine), staging / optim_shard_file(engine.global_rank))
+        if not engine.state.placement.resident:
+            engine.state.placement.copy_files_to(staging / swap_dir(engine.global_rank))
     if _units(engine) is not None:
         write_file_atomically(_param_shards(engine), staging / param_shard_file(engine.global_rank))
     write_file_atomically(_rng_state(), staging / rng_file(engine.global_rank))

@@ -195,6 +195,8 @@ class NvmePlacement(MasterPlacement):
 
     def copy_files_from(self, directory: Path, state_keys: list[str]) -> None:
         self.state_keys = list(state_keys)
+        for chunk in self.chunks:
+            chunk.has_state = bool(state_keys)
         for name in self.files():
             source = directory / self.store.path(name).name
             if not source.is_file():
