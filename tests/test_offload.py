@@ -122,3 +122,39 @@ def test_nvme_offloaded_checkpoint_resumes_exactly(tmp_path, stage: int) -> None
     result = run_distributed(_nvme_resume, 2, str(tmp_path / "nvme"), str(tmp_path / "ckpt"), stage, timeout=180)[0]
     assert result["resumed"].losses == result["expected"].losses
     assert result["resumed"].grad_norms == result["expected"].grad_norms
+
+
+def _nvme_everything(path: str) -> dict:
+    return {"offload_param": {"device": "nvme", "nvme_path": path},
+            "offload_optimizer": {"device": "nvme", "nvme_path": path}, "sub_group_size": 200}
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "gpt2"])
+def test_nvme_parameter_and_optimizer_offload_at_stage3_reproduces_the_run_exactly(tmp_path, model_name: str) -> None:
+    result = run_distributed(_compare, 2, model_name, 3, "fp32", _nvme_everything(str(tmp_path)), timeout=180)[0]
+    assert result["offloaded"].losses == result["plain"].losses
+    assert result["offloaded"].grad_norms == result["plain"].grad_norms
+    assert result["same_weights"]
+    assert list(tmp_path.glob("zerotune_params_rank*/unit*_trainable.swp"))
+
+
+def _damaged_swap_file(path: str, damage: str) -> str:
+    engine, *_ = zerotune.initialize(model=make_mlp(), config=_config(3, "fp32", _nvme_everything(path)))
+    victim = sorted((__import__("pathlib").Path(path) / f"zerotune_params_rank{torch.distributed.get_rank()}").glob("*.swp"))[-1]
+    if damage == "deleted":
+        victim.unlink()
+    else:
+        with open(victim, "r+b") as handle:
+            handle.truncate(3)
+    try:
+        engine_run(engine, mlp_batch, steps=1, gas=1, global_rows=4)
+        return "no error"
+    except Exception as error:  # noqa: BLE001 - the test inspects the message
+        return f"{type(error).__name__}: {error}|{victim}"
+
+
+@pytest.mark.parametrize("damage", ["deleted", "truncated"])
+def test_a_damaged_swap_file_is_an_error_naming_it(tmp_path, damage: str) -> None:
+    message = run_distributed(_damaged_swap_file, 2, str(tmp_path), damage, timeout=120)[0]
+    text, victim = message.rsplit("|", 1)
+    assert "SwapFileError" in text and victim in text, text

@@ -162,9 +162,10 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
         return state
     chosen = {id(p) for p in trainable}
     group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
-    placement = _master_placement(cfg, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+    placement = _master_placement(cfg, _global_rank())
     if zero.stage == 3:
-        return _build_stage3_state(zero, group_params, policy, group, model, predivide, placement)
+        return _build_stage3_state(zero, group_params, policy, group, model, predivide, placement,
+                                   rank=_global_rank(), aio=AioSettings.from_config(cfg.aio))
     state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size),
                          placement=placement)
     model.to(policy.param_dtype)  # the flat parameters are already in this dtype; frozen ones and buffers follow
@@ -177,6 +178,10 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
                                                  position=position, predivide_factor=predivide,
                                                  max_in_flight=2 if zero.overlap_comm else 0)
     return state
+
+
+def _global_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
 
 def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
@@ -196,7 +201,8 @@ def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
 
 
 def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]], policy: Any, group: Any,
-                        model: torch.nn.Module, predivide: float, placement: MasterPlacement) -> Stage3State:
+                        model: torch.nn.Module, predivide: float, placement: MasterPlacement, *, rank: int,
+                        aio: AioSettings) -> Stage3State:
     """Partition the model into units (hooks attached), masters from the fp32 shards, then cast.
 
     ``model.to(dtype)`` is not used: it would materialize every partitioned parameter's placeholder.
@@ -205,12 +211,18 @@ def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]],
     offload = zero.offload_param
     units = partition_model(model, group, group_params, buffers=BufferPool(capacity_numel=int(zero.reduce_bucket_size)),
                             persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                            shard_device=torch.device("cpu") if offload.device == "cpu" else None,
+                            shard_device=torch.device("cpu") if offload.device != "none" else None,
                             pin_memory=bool(offload.pin_memory))
     scheduler = UnitScheduler(units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
                               max_live_numel=int(zero.stage3_max_live_parameters), predivide_factor=predivide,
                               max_in_flight=in_flight)
     state = Stage3State(units, group_params, policy, group, scheduler, placement)
+    if offload.device == "nvme":  # after the masters were taken and the shards cast: files hold the model dtype
+        store = SwapStore(Path(offload.nvme_path) / f"zerotune_params_rank{rank}", aio)
+        for index, unit in enumerate(units):
+            for kind, segment in (("trainable", unit.trainable), ("frozen", unit.frozen)):
+                if segment is not None:
+                    segment.swap_out_to(store, f"unit{index}_{kind}")
     with torch.no_grad():
         for buffer in model.buffers():
             if buffer.is_floating_point():

@@ -138,7 +138,7 @@ def _module_state(engine: Engine) -> dict:
 
 def _param_shards(engine: Engine) -> dict:
     return {"layout": _shard_layout(engine),
-            "shards": [[s.local.clone() for s in unit.segments] for unit in _units(engine)]}
+            "shards": [[s.read_local() for s in unit.segments] for unit in _units(engine)]}
 
 
 @torch.no_grad()
@@ -148,7 +148,7 @@ def _load_param_shards(engine: Engine, saved: dict, path: Path) -> None:
                               f"(saved on another number of data-parallel ranks, or another model)")
     for unit, shards in zip(_units(engine), saved["shards"]):
         for segment, shard in zip(unit.segments, shards):
-            segment.local.copy_(shard)
+            segment.overwrite_local(shard, notify=False)
 
 
 def _load_sharded_optimizer_state(engine: Engine, saved: dict, path: Path) -> None:

@@ -17,7 +17,6 @@ from .schema import ZeroTuneConfig
 # (dotted path, predicate "value is unsupported", what is implemented)
 _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 
-    ("zero_optimization.offload_param.device", lambda v: v == "nvme", "none, cpu"),
     ("zero_optimization.zero_quantized_weights", bool, "false"),
     ("zero_optimization.zero_quantized_nontrainable_weights", bool, "false"),
     ("zero_optimization.zero_quantized_gradients", bool, "false"),

@@ -28,7 +28,7 @@ import torch
 
 from zerotune.offload.buffers import BufferPool
 from zerotune.offload.swap_files import SwapFileError, SwapHandle, SwapStore
-from zerotune.zero.master_placement import MasterPlacement
+from zerotune.zero.master_placement import MasterPlacement, ShardWriter
 
 _EMPTY = torch.empty(0, dtype=torch.float32)
 _ALIGN = 64
@@ -64,7 +64,7 @@ class NvmePlacement(MasterPlacement):
         self.buffer_count = buffer_count
         self.pool: BufferPool | None = None
         self.chunks: list[_Chunk] = []
-        self.shards: list[torch.Tensor] = []
+        self.writers: list[ShardWriter] = []
         self.state_keys: list[str] = []  # tensor state per parameter (exp_avg, ...), known after the first step
         self._grads: list[torch.Tensor] = []
         self._allocated: set[str] = set()
@@ -75,9 +75,9 @@ class NvmePlacement(MasterPlacement):
         self.store.allocate(name, numel, torch.float32)
         self._allocated.add(name)
 
-    def adopt(self, masters: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> None:
-        """Move the masters' values into swap files; ``shards[i]`` receives master i, rounded, after each step."""
-        self.shards = list(shards)
+    def adopt(self, masters: Sequence[torch.Tensor], shard_writers: Sequence[ShardWriter]) -> None:
+        """Move the masters' values into swap files; ``shard_writers[i]`` rounds master i into the model."""
+        self.writers = list(shard_writers)
         for index, master in enumerate(masters):
             flat = master.detach().reshape(-1)
             for lo in range(0, max(flat.numel(), 1), self.sub_group_size):
@@ -156,8 +156,7 @@ class NvmePlacement(MasterPlacement):
         state = optimizer.state[proxy]
         state.update({key: buffers[key] for key in self.state_keys if key in buffers})
         optimizer.step()
-        with torch.no_grad():
-            self.shards[chunk.master].reshape(-1)[chunk.lo:chunk.hi].copy_(proxy.data)
+        self.writers[chunk.master](chunk.lo, proxy.data)
 
     def _store(self, chunk: _Chunk, buffers: dict[str, torch.Tensor], optimizer: torch.optim.Optimizer
                ) -> tuple[list[SwapHandle], list[torch.Tensor], list[torch.Tensor]]:

@@ -10,9 +10,13 @@ the same copies), so it is tested here. Offload changes where state lives, never
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+
+
+ShardWriter = Callable[[int, torch.Tensor], None]
+"""``writer(lo, values)``: write ``values`` at offset ``lo`` of the model shard a master rounds into."""
 
 
 @dataclass
@@ -30,8 +34,9 @@ class MasterPlacement:
     def offloaded(self) -> bool:
         return self.device is not None
 
-    def adopt(self, masters: Sequence[torch.Tensor], shards: Sequence[torch.Tensor]) -> None:
-        """Take charge of the masters once built; ``shards[i]``: the model's shard master i rounds into."""
+    def adopt(self, masters: Sequence[torch.Tensor], shard_writers: Sequence[ShardWriter]) -> None:
+        """Take charge of the masters once built; ``shard_writers[i](lo, values)`` rounds part of master i
+        into the model's shard (used when the masters are stepped where the model cannot see them)."""
 
     def optimizer_params(self, master_index: int, master: torch.nn.Parameter) -> list[torch.nn.Parameter]:
         """What the optimizer steps for master ``master_index`` (NVMe offload: one proxy per chunk)."""

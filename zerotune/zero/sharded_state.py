@@ -50,6 +50,13 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
 
 
+def _range_writer(shard: torch.Tensor):
+    @torch.no_grad()
+    def write(lo: int, values: torch.Tensor) -> None:
+        shard[lo:lo + values.numel()].copy_(values)
+    return write
+
+
 class ShardedState:
     """Flat parameters + master shards of every param group, and the step phases that use them."""
 
@@ -75,7 +82,7 @@ class ShardedState:
             master = self.placement.place(fp32_slice) if self.separate else fg.owned
             self.masters.append(torch.nn.Parameter(master))
         if self.separate:
-            self.placement.adopt(self.masters, [fg.owned for fg in self.flat_groups])
+            self.placement.adopt(self.masters, [_range_writer(fg.owned) for fg in self.flat_groups])
         self.grad_sync = None
 
     @property

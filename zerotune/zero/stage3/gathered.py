@@ -56,7 +56,6 @@ class GatheredParameters:
                 source = self.modifier_rank if group is None else dist.get_group_rank(group, self.modifier_rank)
                 comm.broadcast(segment.full, source, group)
                 start, end = segment.layout.owned_range(segment.rank)
-                segment.local.copy_(segment.full[start:end])
-                segment.notify_local_changed()
+                segment.overwrite_local(segment.full[start:end])
             if not was_gathered:
                 segment.release()

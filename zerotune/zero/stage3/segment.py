@@ -13,7 +13,7 @@ saved during forward (e.g. ``weight.t()``) -- sees the values again after the ne
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -50,6 +50,9 @@ class FlatSegment:
         self._pin = pin_memory and torch.cuda.is_available()
         self.local = self._on_local_device(full[start:end].clone(), local_device)
         self._pending: comm.Handle | None = None
+        self._swap: tuple[Any, str] | None = None  # (SwapStore, file name) under offload_param nvme
+        self._local_resident = True
+        self._local_bytes = self.local.untyped_storage().nbytes()
         self.on_local_changed: list[Callable[[], None]] = []
         """Called after ``local`` was overwritten outside training (e.g. to refresh fp32 masters)."""
         self._bind(full)
@@ -88,10 +91,64 @@ class FlatSegment:
     def numel(self) -> int:
         return self.layout.padded
 
+    # ---- the shard in a swap file (offload_param: {device: nvme}) ----------------------------
+    def swap_out_to(self, store: Any, name: str) -> None:
+        """Keep the shard in ``store``'s file ``name`` from now on; memory holds it only while needed."""
+        store.allocate(name, self.local.numel(), self.local.dtype)
+        store.write(name, self.local).wait()
+        self._swap = (store, name)
+        self._drop_local()
+
+    def make_resident(self) -> torch.Tensor:
+        """The shard in memory (read from its swap file if swapped out); it stays until ``store_local``."""
+        if not self._local_resident:
+            self.local.untyped_storage().resize_(self._local_bytes)
+            store, name = self._swap
+            store.read(name, self.local).wait()
+            self._local_resident = True
+        return self.local
+
+    def store_local(self) -> None:
+        """Write a resident shard back to its swap file and free its memory (no-op without swapping)."""
+        if self._swap is not None and self._local_resident:
+            store, name = self._swap
+            store.write(name, self.local).wait()
+            self._drop_local()
+
+    def _drop_local(self) -> None:
+        if self._swap is not None:
+            self.local.untyped_storage().resize_(0)
+            self._local_resident = False
+
+    def overwrite_local(self, values: torch.Tensor, notify: bool = True) -> None:
+        """Replace this rank's shard (checkpoint load, masters rounded in, a modified parameter)."""
+        with torch.no_grad():
+            self.make_resident().copy_(values)
+        self.store_local() if not notify else self.notify_local_changed()
+
+    def write_local_range(self, lo: int, values: torch.Tensor) -> None:
+        """Write ``values`` at ``[lo, lo + n)`` of the shard, in memory or straight into its swap file."""
+        if self._swap is not None and not self._local_resident:
+            store, name = self._swap
+            store.write(name, values.to(self.local.dtype).contiguous(), offset_numel=lo).wait()
+        else:
+            with torch.no_grad():
+                self.local[lo:lo + values.numel()].copy_(values)
+
+    def read_local(self) -> torch.Tensor:
+        """A copy of this rank's shard (e.g. for a checkpoint)."""
+        was_resident = self._local_resident
+        copy = self.make_resident().clone()
+        if not was_resident:
+            self._drop_local()
+        return copy
+
+    # ---- gather / release ------------------------------------------------------------------
     def start_gather(self) -> None:
         """Launch the all-gather of every rank's shard into ``full`` (no-op if gathered or in flight)."""
         if self.gathered or self._pending is not None:
             return
+        self.make_resident()
         self.full.untyped_storage().resize_(self._full_bytes)
         source = self.local if self.local.device == self.full.device else self.local.to(self.full.device,
                                                                                             non_blocking=self._pin)
@@ -104,6 +161,7 @@ class FlatSegment:
         self.start_gather()
         self._pending.wait()
         self._pending = None
+        self._drop_local()  # the swap file still holds it: the gather did not change it
         for sharded in self.sharded:
             sharded.to_unsharded()
         self.gathered = True
@@ -113,6 +171,7 @@ class FlatSegment:
         if self._pending is not None:  # never free a buffer a collective is writing into
             self._pending.wait()
             self._pending = None
+            self._drop_local()
         elif not self.gathered:
             return
         for sharded in self.sharded:
@@ -121,8 +180,10 @@ class FlatSegment:
         self.gathered = False
 
     def notify_local_changed(self) -> None:
+        """``local`` was overwritten: tell the masters, then (swapping) write it back to its file."""
         for callback in self.on_local_changed:
             callback()
+        self.store_local()
 
     def discard(self) -> None:
         """Free this segment's memory after its parameters were re-partitioned into another segment."""
@@ -141,4 +202,5 @@ class FlatSegment:
         return self._full_bytes if (self.gathered or self._pending is not None) else 0
 
     def local_bytes(self) -> int:
-        return self.local.numel() * self.local.element_size()
+        """Bytes of the shard held in memory now (0 while it is in its swap file)."""
+        return self.local.untyped_storage().nbytes()

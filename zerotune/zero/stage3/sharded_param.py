@@ -67,12 +67,14 @@ class ShardedParam:
 
     def local_piece(self) -> tuple[int, int, torch.Tensor]:
         """``(lo, hi, view)``: the flattened-parameter range ``[lo, hi)`` this rank holds (maybe empty)
-        and the 1-D view of the local shard holding it (write into it to set those values)."""
+        and the 1-D view of the local shard holding it (write into it to set those values, then call
+        ``segment.notify_local_changed()``)."""
         start, end = self.segment.layout.owned_range(self.segment.rank)
         lo, hi = max(start, self.offset), min(end, self.offset + self.numel)
+        local = self.segment.make_resident()  # swapped shards stay in memory until notify_local_changed
         if lo >= hi:
-            return 0, 0, self.segment.local[:0]
-        return lo - self.offset, hi - self.offset, self.segment.local[lo - start:hi - start]
+            return 0, 0, local[:0]
+        return lo - self.offset, hi - self.offset, local[lo - start:hi - start]
 
     def detach(self) -> None:
         """Forget the partitioning (the segment is being replaced); ``.data`` is left as it is."""

@@ -75,26 +75,29 @@ class Stage3State:
         self._slots = [self._slots[i] for i in order]
         self.masters = [self.masters[i] for i in order]
         if self.separate:
-            self.placement.adopt(self.masters, [self._shard_of(i) for i in range(len(self._slots))])
+            self.placement.adopt(self.masters, [lambda lo, values, slot=i: self._write_shard(slot, lo, values)
+                                                for i in range(len(self._slots))])
             if not self.placement.resident:
                 self.master_flats = {}  # the values live in the placement's files
             for unit in self.units:  # weights written via GatheredParameters(modifier_rank=...) reach the masters
                 if unit.trainable is not None:
                     unit.trainable.on_local_changed.append(lambda u=unit: self._refresh_masters(u))
 
-    def _shard_of(self, slot: int) -> torch.Tensor:
-        """The part of a unit's shard (model dtype) that master ``slot`` rounds into."""
-        _, unit, lo, hi = self._slots[slot]
-        return unit.trainable.local[lo:hi] if unit is not None else torch.zeros(0)
+    def _write_shard(self, slot: int, lo: int, values: torch.Tensor) -> None:
+        """Round ``values`` into master ``slot``'s part of its unit's shard, at offset ``lo``."""
+        _, unit, start, _ = self._slots[slot]
+        if unit is not None:
+            unit.trainable.write_local_range(start + lo, values)
 
     @torch.no_grad()
     def _refresh_masters(self, unit: ParamUnit) -> None:
+        local = unit.trainable.read_local()
         if self.placement.resident:
-            self.master_flats[id(unit)].copy_(unit.trainable.local)
+            self.master_flats[id(unit)].copy_(local)
             return
-        for slot, (_, owner, _, _) in enumerate(self._slots):
+        for slot, (_, owner, lo, hi) in enumerate(self._slots):
             if owner is unit:
-                self.placement.refresh(slot, self._shard_of(slot))
+                self.placement.refresh(slot, local[lo:hi])
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -125,7 +128,7 @@ class Stage3State:
         if self.separate and self.placement.resident:  # (NVMe offload rounded each chunk as it stepped)
             for unit in self.units:
                 if unit.trainable is not None:
-                    unit.trainable.local.copy_(self.master_flats[id(unit)])
+                    unit.trainable.overwrite_local(self.master_flats[id(unit)], notify=False)
         self.grad_sync.after_step()
 
     @torch.no_grad()

@@ -1,0 +1,379 @@
+"""Activation checkpointing: keep a region's inputs, recompute its activations during backward.
+
+Two ways in, one mechanism (``torch.utils.checkpoint`` with ``use_reentrant=False`` and
+``preserve_rng_state=True``, so dropout draws the same mask in the recompute and losses and gradients
+equal an uncheckpointed run exactly):
+
+- DeepSpeed's global API, ``checkpoint(function, *args)`` after ``configure(...)`` (reached as
+  ``zerotune.checkpointing``); the configured policy is the one module-level default.
+- ``apply_activation_checkpointing(model)``: replaces the ``forward`` of every transformer block
+  (classes named in a Hugging Face model's ``_no_split_modules``, or an explicit list) by a
+  checkpointed call, optionally only ``number_checkpoints`` evenly spaced blocks; reversible.
+
+Why ``module.forward`` and not ``module.__call__``: forward pre/post hooks (ZeRO stage 3 gathers and
+releases a block's parameters in them) run once, for the real forward, outside the checkpoint. The
+recompute calls the original ``forward`` directly, so **the block's own hooks do not run during
+recompute**. Stage 3 needs none there: its hook on the block's outputs re-gathers the block when backward
+reaches it, which is before autograd asks for the block's saved tensors and so before the recompute.
+Submodules *inside* a checkpointed block are called normally during the recompute, so their hooks do
+run, inside backward (``torch._C._current_graph_task_id() != -1``).
+
+``cpu_checkpointing``: the region's positional tensor inputs (for a transformer block, its hidden
+states: the only activation checkpointing keeps) are saved through ``saved_tensors_hooks`` into host
+memory (pinned for CUDA tensors, copied asynchronously) and moved back when the recompute needs them.
+Parameters passed as inputs stay where they are. Keyword tensor inputs are held by torch's recompute
+closure and stay on their device (HF blocks take hidden states positionally). On a CPU-only machine the
+inputs are still copied, so the path is the same one an accelerator runs.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils.checkpoint as torch_checkpoint
+
+from zerotune.config import ActivationCheckpointingConfig, ConfigError, NotSupportedYetError, ZeroTuneConfig, load_config
+from zerotune.monitor.logging import log_rank0
+
+SECTION = "activation_checkpointing"
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """How checkpointed regions store and time their activations (the ``activation_checkpointing`` section)."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "number_checkpoints":
+                if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                    raise ConfigError(f"{SECTION}.number_checkpoints",
+                                      f"{value!r} is not a positive integer (or null for every block)")
+            elif not isinstance(value, bool):
+                raise ConfigError(f"{SECTION}.{f.name}", f"{value!r} is not a boolean")
+        if self.partition_activations:
+            raise NotSupportedYetError(f"{SECTION}.partition_activations",
+                                       "true needs tensor parallelism, which is not supported yet; set it to false "
+                                       "(cpu_checkpointing moves checkpointed activations off the device without it)")
+        if self.contiguous_memory_optimization:
+            raise ConfigError(f"{SECTION}.contiguous_memory_optimization",
+                              "true needs partition_activations: true (as in DeepSpeed), which is not supported yet; "
+                              "set it to false")
+
+
+def policy_from_section(section: ActivationCheckpointingConfig) -> CheckpointPolicy:
+    """The policy a config section asks for; an unresolved "auto" takes the schema default (as resolve_config does)."""
+    values = {}
+    for f in fields(CheckpointPolicy):
+        value = getattr(section, f.name)
+        values[f.name] = type(section).model_fields[f.name].get_default() if value == "auto" else value
+    return CheckpointPolicy(**values)
+
+
+# ---- DeepSpeed's global API ---------------------------------------------------------------
+_configured_policy: CheckpointPolicy | None = None
+
+
+def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
+              contiguous_checkpointing: bool | None = None, num_checkpoints: int | None = None,
+              checkpoint_in_cpu: bool | None = None, synchronize: bool | None = None,
+              profile: bool | None = None) -> CheckpointPolicy:
+    """``deepspeed.checkpointing.configure``: defaults, then ``deepspeed_config``'s section, then the keywords.
+
+    ``deepspeed_config``: a config file path, a config dict, a ``ZeroTuneConfig`` or its
+    ``ActivationCheckpointingConfig`` section. Returns the policy now in force.
+    """
+    global _configured_policy
+    if mpu_ is not None:
+        raise NotSupportedYetError("mpu", "a Megatron mpu is not supported yet (tensor parallelism lands in a later "
+                                          "release); call configure(None, ...)")
+    base = CheckpointPolicy() if deepspeed_config is None else policy_from_section(_section_of(deepspeed_config))
+    overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization": contiguous_checkpointing,
+                 "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
+                 "synchronize_checkpoint_boundary": synchronize, "profile": profile}
+    values = {f.name: getattr(base, f.name) for f in fields(CheckpointPolicy)}
+    values.update({key: value for key, value in overrides.items() if value is not None})
+    _configured_policy = CheckpointPolicy(**values)
+    return _configured_policy
+
+
+def _section_of(deepspeed_config: Any) -> ActivationCheckpointingConfig:
+    if isinstance(deepspeed_config, ActivationCheckpointingConfig):
+        return deepspeed_config
+    if isinstance(deepspeed_config, ZeroTuneConfig):
+        return deepspeed_config.activation_checkpointing
+    if isinstance(deepspeed_config, (str, Path, Mapping)):
+        return load_config(deepspeed_config).activation_checkpointing
+    raise TypeError(f"configure(deepspeed_config=...) got {type(deepspeed_config).__name__}; expected a config file path, "
+                    "a config dict, a ZeroTuneConfig or an ActivationCheckpointingConfig")
+
+
+def is_configured() -> bool:
+    """``deepspeed.checkpointing.is_configured``: whether ``configure`` was called in this process."""
+    return _configured_policy is not None
+
+
+def configured_policy() -> CheckpointPolicy:
+    """The policy ``configure`` set, or the defaults (plain checkpointing) before any call."""
+    return _configured_policy if _configured_policy is not None else CheckpointPolicy()
+
+
+def reset() -> None:
+    """``deepspeed.checkpointing.reset``: release buffers kept between a forward and its backward.
+
+    DeepSpeed keeps such buffers only for contiguous_memory_optimization (which needs
+    partition_activations, not supported yet); here every saved input lives with its autograd graph
+    and is freed with it, so there is nothing to release. Kept because Megatron-style loops call it
+    after evaluation forwards; it deliberately leaves the configured policy in place.
+    """
+
+
+def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.checkpointing.checkpoint``: ``function(*args, **kwargs)``, its activations recomputed in backward."""
+    return run_checkpointed(function, args, kwargs, configured_policy(), _name_of(function))
+
+
+non_reentrant_checkpoint = checkpoint  # DeepSpeed's name for the non-reentrant variant, which this always is
+
+
+def run_checkpointed(function: Callable, args: tuple, kwargs: dict, policy: CheckpointPolicy, name: str) -> Any:
+    """One checkpointed call under ``policy``; without autograd recording it is a plain call."""
+    if not torch.is_grad_enabled():
+        return function(*args, **kwargs)
+    if policy.profile or policy.synchronize_checkpoint_boundary:
+        function = _at_boundaries(function, policy, name)
+    with _inputs_to_host() if policy.cpu_checkpointing else nullcontext():
+        return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+
+
+def _inputs_to_host() -> torch.autograd.graph.saved_tensors_hooks:
+    """Hooks that see exactly the checkpoint's saved inputs (inside the region torch's own hooks take over)."""
+    return torch.autograd.graph.saved_tensors_hooks(_pack_to_host, _unpack_from_host)
+
+
+def _pack_to_host(tensor: torch.Tensor) -> tuple[torch.device | None, torch.Tensor]:
+    if isinstance(tensor, torch.nn.Parameter):
+        return None, tensor  # weights stay put: copying them would only duplicate them
+    on_cuda = tensor.device.type == "cuda"
+    host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=on_cuda)
+    host.copy_(tensor, non_blocking=on_cuda)  # same stream as the recompute's copy back: ordered, no sync needed
+    return tensor.device, host
+
+
+def _unpack_from_host(packed: tuple[torch.device | None, torch.Tensor]) -> torch.Tensor:
+    device, host = packed
+    return host if device is None else host.to(device, non_blocking=True)
+
+
+def _at_boundaries(function: Callable, policy: CheckpointPolicy, name: str) -> Callable:
+    """``function`` with device synchronization and/or timing around its forward and each recompute."""
+    calls = 0
+
+    def bounded(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        phase = "forward" if calls == 0 else "recompute"
+        calls += 1
+        _synchronize()
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:  # the recompute ends in an exception once it produced what backward needs (early stop)
+            _synchronize()
+            if policy.profile:
+                log_rank0("activation checkpoint %s: %s %.3f ms", name, phase, 1e3 * (time.perf_counter() - start),
+                          rank=_rank())
+    return bounded
+
+
+def _synchronize() -> None:
+    # Timing asynchronous CUDA work needs it; on CPU there is nothing to wait for.
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _name_of(function: Callable) -> str:
+    return getattr(function, "__qualname__", None) or type(function).__name__
+
+
+# ---- checkpointing a model's blocks -------------------------------------------------------
+_STATE = "_zerotune_activation_checkpoint"
+_ABSENT = object()
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+
+@dataclass
+class _Wrapped:
+    """What a checkpointed block remembers: its name, its policy (None: the configured one at call time)."""
+
+    name: str
+    policy: CheckpointPolicy | None
+    layer_idx: int | None
+    previous_forward: Any  # the instance attribute ``forward`` had before wrapping, or _ABSENT
+    warned: bool = False
+
+
+def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPolicy | None = None, *,
+                                   modules: Iterable[type | str] | None = None) -> list[str]:
+    """Checkpoint the forward of the model's blocks; returns the names of the wrapped modules.
+
+    Blocks: modules whose class name is in a ``_no_split_modules`` found on the model or a submodule,
+    or those matching ``modules`` (classes, class names or module names); a match nested in another
+    is left alone. With ``policy.number_checkpoints = n`` only n evenly spaced blocks are wrapped.
+    Applying again first removes the previous wrapping (never double-wraps). ``policy=None``: each
+    call follows whatever ``configure`` set at that time (so the order relative to
+    ``zerotune.initialize`` does not matter); ``number_checkpoints`` is read now.
+    """
+    _refuse_hf_checkpointing(model)
+    remove_activation_checkpointing(model)
+    chosen = _evenly_spaced(_block_names(model, modules), (policy or configured_policy()).number_checkpoints)
+    for name in chosen:
+        module = model.get_submodule(name)
+        layer_idx = next((m.layer_idx for m in module.modules() if type(getattr(m, "layer_idx", None)) is int), None)
+        state = _Wrapped(name, policy, layer_idx, module.__dict__.get("forward", _ABSENT))
+        setattr(module, _STATE, state)
+        module.forward = types.MethodType(_checkpointed_forward, module)
+    return chosen
+
+
+def remove_activation_checkpointing(model: torch.nn.Module) -> list[str]:
+    """Undo ``apply_activation_checkpointing``; returns the names of the modules restored."""
+    restored = []
+    for name, module in model.named_modules():
+        state = module.__dict__.get(_STATE)
+        if state is None:
+            continue
+        if getattr(module.__dict__.get("forward"), "__func__", None) is not _checkpointed_forward:
+            raise RuntimeError(f"remove_activation_checkpointing: '{name}'.forward was replaced after checkpointing was "
+                               "applied; remove that wrapper first")
+        if state.previous_forward is _ABSENT:
+            del module.forward
+        else:
+            module.forward = state.previous_forward
+        delattr(module, _STATE)
+        restored.append(name)
+    return restored
+
+
+def checkpointed_module_names(model: torch.nn.Module) -> list[str]:
+    """Names of the modules whose forward is currently checkpointed."""
+    return [name for name, module in model.named_modules() if _STATE in module.__dict__]
+
+
+def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    state: _Wrapped = self.__dict__[_STATE]
+    inner = state.previous_forward if state.previous_forward is not _ABSENT else types.MethodType(type(self).forward, self)
+    if not torch.is_grad_enabled():
+        return inner(*args, **kwargs)
+    args, kwargs, replayable = _without_empty_caches(args, kwargs, state.layer_idx)
+    if not replayable:
+        if not state.warned:
+            state.warned = True
+            log_rank0("activation checkpointing: %s got a cache holding past key/values (e.g. a prefix); the recompute "
+                      "would update it twice, so this call runs without checkpointing", state.name, rank=_rank())
+        return inner(*args, **kwargs)
+    return run_checkpointed(inner, args, kwargs, state.policy or configured_policy(), state.name)
+
+
+def _without_empty_caches(args: tuple, kwargs: dict, layer_idx: int | None) -> tuple[tuple, dict, bool]:
+    """Drop Hugging Face cache objects (as HF's own checkpointing does): the recompute would write them twice.
+
+    Training passes an empty cache that nothing reads; one holding past states for this layer (prefix
+    tuning) cannot be dropped, so the third value says the call must not be checkpointed.
+    """
+    def drop(value: Any) -> tuple[Any, bool]:
+        if not _is_hf_cache(value):
+            return value, True
+        return (value, False) if _past_length(value, layer_idx) > 0 else (None, True)
+
+    dropped_args = [drop(value) for value in args]
+    dropped_kwargs = {key: drop(value) if key in _CACHE_KWARGS else (value, True) for key, value in kwargs.items()}
+    if not all(ok for _, ok in [*dropped_args, *dropped_kwargs.values()]):
+        return args, kwargs, False
+    new_args = tuple(value for value, _ in dropped_args)
+    new_kwargs = {key: value for key, (value, _) in dropped_kwargs.items()}
+    if new_kwargs.get("use_cache"):
+        new_kwargs["use_cache"] = False
+    return new_args, new_kwargs, True
+
+
+def _is_hf_cache(value: Any) -> bool:
+    # By name, so transformers stays an optional dependency.
+    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__)
+
+
+def _past_length(cache: Any, layer_idx: int | None) -> int:
+    try:
+        return int(cache.get_seq_length() if layer_idx is None else cache.get_seq_length(layer_idx))
+    except (IndexError, KeyError):
+        return 0
+
+
+def _refuse_hf_checkpointing(model: torch.nn.Module) -> None:
+    for name, module in model.named_modules():
+        if getattr(module, "gradient_checkpointing", False) is True:
+            raise ValueError(f"apply_activation_checkpointing: Hugging Face gradient checkpointing is already enabled "
+                             f"on '{name or type(model).__name__}'; call model.activation_checkpointing_disable() "
+                             "(gradient_checkpointing_disable() before transformers 5) first: checkpointing twice "
+                             "recomputes every block twice")
+
+
+def _block_names(model: torch.nn.Module, modules: Iterable[type | str] | None) -> list[str]:
+    named = list(model.named_modules())
+    if modules is None:
+        classes = sorted({c for _, m in named for c in (getattr(m, "_no_split_modules", None) or [])})
+        if not classes:
+            raise ValueError(f"apply_activation_checkpointing: {type(model).__name__} has no _no_split_modules (not a "
+                             "Hugging Face transformer?); pass modules=[...] with the block classes or module names")
+        wanted: list[type | str] = list(classes)
+    else:
+        wanted = list(modules)
+        for entry in wanted:
+            if not isinstance(entry, (type, str)):
+                raise TypeError(f"apply_activation_checkpointing: modules entries must be classes or names, got {entry!r}")
+
+    def matches(name: str, module: torch.nn.Module, entry: type | str) -> bool:
+        if isinstance(entry, type):
+            return isinstance(module, entry)
+        return type(module).__name__ == entry or (modules is not None and name == entry)
+
+    if modules is not None:
+        unknown = [e for e in wanted if not any(matches(n, m, e) for n, m in named)]
+        if unknown:
+            classes = sorted({type(m).__name__ for _, m in named})
+            raise ValueError(f"apply_activation_checkpointing: modules={unknown!r} match no module of "
+                             f"{type(model).__name__}; its module classes are {classes[:12]}")
+    chosen: list[str] = []
+    for name, module in named:
+        if any(name == c or name.startswith(f"{c}.") or c == "" for c in chosen):
+            continue  # nested inside a block already chosen
+        if any(matches(name, module, entry) for entry in wanted):
+            chosen.append(name)
+    if not chosen:
+        raise ValueError(f"apply_activation_checkpointing: no module of {type(model).__name__} is one of {wanted!r}")
+    return chosen
+
+
+def _evenly_spaced(names: list[str], count: int | None) -> list[str]:
+    """``count`` names spread evenly from the first (12 blocks, 4 -> every 3rd); all when count is None or larger."""
+    if count is None or count >= len(names):
+        return names
+    return [names[i * len(names) // count] for i in range(count)]
