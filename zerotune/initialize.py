@@ -21,6 +21,8 @@ from zerotune.distributed.env import init_distributed
 from zerotune.distributed.mesh import ParallelDims, ProcessMesh, build_mesh
 from zerotune.engine import Engine
 from zerotune.monitor.logging import log_rank0
+from zerotune.parallel.activation_checkpointing import apply_activation_checkpointing
+from zerotune.parallel.activation_checkpointing import configure as configure_activation_checkpointing
 from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import policy_from_flags
@@ -209,20 +211,24 @@ def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]],
     """
     in_flight = 2 if zero.overlap_comm else 0
     offload = zero.offload_param
+    state = Stage3State(group_params, policy, group, placement)
+    store = (SwapStore(Path(offload.nvme_path) / f"zerotune_params_rank{rank}", aio)
+             if offload.device == "nvme" else None)
+
+    def unit_built(unit: Any) -> None:  # masters taken and the unit cast (and swapped out) before the next
+        state.add_unit(unit)
+        if store is not None:  # files hold the model dtype
+            for kind, segment in (("trainable", unit.trainable), ("frozen", unit.frozen)):
+                if segment is not None:
+                    segment.swap_out_to(store, f"unit{len(state.units) - 1}_{kind}")
+
     units = partition_model(model, group, group_params, buffers=BufferPool(capacity_numel=int(zero.reduce_bucket_size)),
                             persistence_threshold=int(zero.stage3_param_persistence_threshold),
                             shard_device=torch.device("cpu") if offload.device != "none" else None,
-                            pin_memory=bool(offload.pin_memory))
-    scheduler = UnitScheduler(units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
-                              max_live_numel=int(zero.stage3_max_live_parameters), predivide_factor=predivide,
-                              max_in_flight=in_flight)
-    state = Stage3State(units, group_params, policy, group, scheduler, placement)
-    if offload.device == "nvme":  # after the masters were taken and the shards cast: files hold the model dtype
-        store = SwapStore(Path(offload.nvme_path) / f"zerotune_params_rank{rank}", aio)
-        for index, unit in enumerate(units):
-            for kind, segment in (("trainable", unit.trainable), ("frozen", unit.frozen)):
-                if segment is not None:
-                    segment.swap_out_to(store, f"unit{index}_{kind}")
+                            pin_memory=bool(offload.pin_memory), on_unit_built=unit_built)
+    state.finish(UnitScheduler(units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+                               max_live_numel=int(zero.stage3_max_live_parameters), predivide_factor=predivide,
+                               max_in_flight=in_flight))
     with torch.no_grad():
         for buffer in model.buffers():
             if buffer.is_floating_point():
@@ -266,6 +272,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     mesh = build_mesh(ParallelDims.from_world(env.world_size), env.device.type)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=_auto_values(raw, model))
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
+    # The config is the source of truth for zerotune.checkpointing.checkpoint(...) calls and for blocks wrapped by
+    # apply_activation_checkpointing(model) without an explicit policy (they read it at call time).
+    configure_activation_checkpointing(deepspeed_config=cfg.activation_checkpointing)
+    if "activation_checkpointing" in raw.model_fields_set:  # the block asks for it: checkpoint the model's blocks
+        wrapped = apply_activation_checkpointing(model)
+        log_rank0("activation checkpointing: %s", f"{len(wrapped)} block(s) wrapped ({wrapped[0]}, ...)" if wrapped
+                  else "no transformer blocks found (no _no_split_modules); call zerotune.checkpointing.checkpoint "
+                       "in the model's forward", rank=env.rank)
     policy = policy_from_flags(fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled)
 
     model.to(env.device)

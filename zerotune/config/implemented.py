@@ -16,7 +16,6 @@ from .schema import ZeroTuneConfig
 
 # (dotted path, predicate "value is unsupported", what is implemented)
 _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
-
     ("zero_optimization.zero_quantized_weights", bool, "false"),
     ("zero_optimization.zero_quantized_nontrainable_weights", bool, "false"),
     ("zero_optimization.zero_quantized_gradients", bool, "false"),
@@ -27,7 +26,6 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("tensor_parallel.autotp_size", lambda v: v > 1, "0 or 1"),
     ("sequence_parallel_size", lambda v: v > 1, "1"),
     ("activation_checkpointing.partition_activations", bool, "false"),
-    ("activation_checkpointing.cpu_checkpointing", bool, "false"),
     ("communication_data_type", lambda v: v is not None, "unset"),
     ("memory_breakdown", bool, "false"),
 )

@@ -82,11 +82,13 @@ class ActivationCheckpointingConfig(Section):
     partition_activations: AutoBool = False
     """Shard checkpointed activations across model-parallel ranks."""
     cpu_checkpointing: AutoBool = False
-    """Move checkpointed activations to CPU memory (requires partition_activations)."""
+    """Keep the inputs of checkpointed regions in host memory (pinned) and move them back for the recompute."""
     contiguous_memory_optimization: AutoBool = False
     """Copy checkpointed activations into one contiguous buffer to avoid fragmentation."""
     number_checkpoints: OptAutoPosInt = None
-    """Number of checkpoints for the contiguous buffer; None means unknown until the model runs."""
+    """How many transformer blocks apply_activation_checkpointing checkpoints, evenly spaced; None: every block.
+
+    (DeepSpeed sizes its contiguous buffer with it; zerotune has no contiguous buffer yet.)"""
     synchronize_checkpoint_boundary: AutoBool = False
     """Synchronize devices at each checkpoint boundary (for debugging and timing)."""
     profile: AutoBool = False

@@ -11,16 +11,17 @@ from typing import Any
 from zerotune.offload.buffers import ALIGNMENT, aligned_empty, round_up, tensor_memoryview
 
 DIRECT_WRITES_BY_DEFAULT = True
-DIRECT_READS_BY_DEFAULT = False
+DIRECT_READS_BY_DEFAULT = True
 """Modes used when ``AioSettings.use_direct_io`` is None and the filesystem allows O_DIRECT.
 
 Chosen from benchmarks/bench_nvme_swap.py on the project machine (ext4 on a virtio disk,
-1 GiB, default aio settings, several runs): O_DIRECT swap writes ran at 1.2-2.1 GB/s against
-0.7-1.6 GB/s for buffered writes plus fsync, while buffered swap reads (kernel readahead) ran
-at 1.3-1.7 GB/s against 0.8-1.5 GB/s for O_DIRECT reads with 8-16 requests in flight. So by
-default writes bypass the page cache (no dirty pages piling up, nothing to flush later) and
-reads go through it. Mixing is safe: the kernel flushes and invalidates cached pages of a
-range before an O_DIRECT transfer of it."""
+1 GiB through 4 pool buffers, default aio settings, repeated runs). Swap writes: O_DIRECT
+1.1-1.7 GB/s, buffered plus fsync 0.2-1.2 GB/s (many threads writing one file through the
+page cache contend). Swap reads: buffered 1.1-1.7 GB/s (kernel readahead) against 0.7-1.0 GB/s
+for O_DIRECT -- but only for files that were written buffered; after O_DIRECT writes,
+buffered reads fell to 0.3-0.6 GB/s, so the tempting mix (direct writes, buffered reads) is
+the worst in steady state. O_DIRECT both ways is best overall and keeps swapped state out of
+the page cache, the memory offload exists to free."""
 
 
 class SwapFileError(RuntimeError):

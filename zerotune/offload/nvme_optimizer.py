@@ -76,9 +76,13 @@ class NvmePlacement(MasterPlacement):
         self._allocated.add(name)
 
     def adopt(self, masters: Sequence[torch.Tensor], shard_writers: Sequence[ShardWriter]) -> None:
-        """Move the masters' values into swap files; ``shard_writers[i]`` rounds master i into the model."""
-        self.writers = list(shard_writers)
-        for index, master in enumerate(masters):
+        """Move the masters' values into swap files; ``shard_writers[i]`` rounds master i into the model.
+
+        May be called several times (one unit at a time at stage 3); masters are numbered in call order.
+        """
+        for master, writer in zip(masters, shard_writers):
+            index = len(self.writers)
+            self.writers.append(writer)
             flat = master.detach().reshape(-1)
             for lo in range(0, max(flat.numel(), 1), self.sub_group_size):
                 hi = min(lo + self.sub_group_size, flat.numel())
@@ -87,8 +91,6 @@ class NvmePlacement(MasterPlacement):
                 self.store.write(chunk.name + "_master", flat[lo:hi].contiguous()).wait()
                 self.chunks.append(chunk)
             master.data = _EMPTY  # the values live in the files now
-        largest = max((c.numel for c in self.chunks), default=1)
-        self.pool = BufferPool(self.buffer_count, max(largest, 1))
 
     def optimizer_params(self, master_index: int, master: torch.nn.Parameter) -> list[torch.nn.Parameter]:
         return [c.proxy for c in self.chunks if c.master == master_index]
@@ -113,6 +115,8 @@ class NvmePlacement(MasterPlacement):
         return buffers, handles
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.pool is None:
+            self.pool = BufferPool(self.buffer_count, max((c.numel for c in self.chunks), default=1) or 1)
         needed = 1 + len(self.state_keys)
         if self.pool.buffer_count < needed:
             raise SwapFileError(f"offload_optimizer.buffer_count is {self.pool.buffer_count}; this optimizer keeps "

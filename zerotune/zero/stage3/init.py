@@ -17,6 +17,7 @@ to rewrite weights that are no longer whole; the weights are each module's own i
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -47,12 +48,16 @@ class Init:
                  dtype: torch.dtype | None = None, enabled: bool = True, remote_device: str | None = None,
                  pin_memory: bool = False, mpu: Any = None, module: torch.nn.Module | None = None,
                  config: Any = None, **_ignored: Any) -> None:
-        del remote_device, pin_memory, mpu  # offload is configured in the engine config (a later layer)
+        del pin_memory, mpu
         source = config_dict_or_path if config_dict_or_path is not None else config
+        self._store = None
         if source is not None:
             from zerotune.config import load_config
 
-            load_config(source)  # bad configs fail here, naming the key, not deep inside training
+            loaded = load_config(source)  # bad configs fail here, naming the key, not deep inside training
+            offload = loaded.zero_optimization.offload_param
+            if remote_device == "nvme" or (remote_device is None and offload.device == "nvme"):
+                self._store = self._swap_store(offload.nvme_path, loaded.aio)
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise TypeError(f"zero.Init(dtype=...) must be a torch.dtype, got {dtype!r}")
         self.enabled = enabled
@@ -60,8 +65,18 @@ class Init:
         self.group = data_parallel_group if data_parallel_group is not None else _default_group()
         self._handles: list[Any] = []
         self._registered: dict[int, torch.nn.Module] = {}
+        self._count = 0
         if module is not None and enabled:  # DeepSpeed: partition an already-built module
             self.partition(module)
+
+    def _swap_store(self, nvme_path: str | None, aio: Any) -> Any:
+        """``offload_param: {device: nvme}``: each module's shard goes to a file as soon as it is built."""
+        from zerotune.offload.swap_files import AioSettings, SwapStore
+
+        if not nvme_path:
+            raise ValueError("zero.Init(remote_device='nvme') needs zero_optimization.offload_param.nvme_path")
+        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return SwapStore(Path(nvme_path) / f"zerotune_init_rank{rank}", AioSettings.from_config(aio))
 
     def __enter__(self) -> "Init":
         if self.enabled:
@@ -99,6 +114,9 @@ class Init:
             segment = FlatSegment(params, self.group)
             if self.dtype is not None:
                 segment.cast_(self.dtype)
+            if self._store is not None:
+                self._count += 1
+                segment.swap_out_to(self._store, f"module{self._count}")
             submodule._is_hf_initialized = True
             for param in params:
                 param._is_hf_initialized = True

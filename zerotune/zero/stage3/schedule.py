@@ -104,11 +104,13 @@ class UnitScheduler:
     def _pre_forward(self, unit: ParamUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if unit.is_root and not _in_backward():
             self._forward_trace = []
-        self._forward_trace.append(unit)
+        if not _in_backward():
+            self._forward_trace.append(unit)
         unit.start_gather()
-        self._prefetch(self.forward_order, len(self._forward_trace) - 1, unit)
+        if not _in_backward():
+            self._prefetch(self.forward_order, len(self._forward_trace) - 1, unit)
         unit.finish_gather()
-        if torch.is_grad_enabled() and unit.segments:
+        if torch.is_grad_enabled() and unit.segments and not _in_backward():  # (not in a checkpoint's recompute)
             args, kwargs = self._watch_inputs(unit, args, kwargs)
         return args, kwargs
 

@@ -42,46 +42,48 @@ def _group_ranges(unit: ParamUnit, group_of: dict[int, int], n_groups: int) -> l
 class Stage3State:
     """Masters, optimizer groups and step phases over partitioned units (the engine's state interface)."""
 
-    def __init__(self, units: Sequence[ParamUnit], trainable_groups: Sequence[Sequence[torch.nn.Parameter]],
-                 policy: PrecisionPolicy, group: dist.ProcessGroup | None, grad_sync: UnitScheduler,
-                 placement: MasterPlacement | None = None) -> None:
-        """Call while the units still hold fp32 values: masters are taken before the cast."""
-        self.units = list(units)
+    def __init__(self, trainable_groups: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
+                 group: dist.ProcessGroup | None, placement: MasterPlacement | None = None) -> None:
+        """Empty; ``add_unit`` each unit as it is built, then ``finish`` (the masters of a unit are taken,
+        the unit cast and possibly swapped out before the next is built, so memory holds one at a time)."""
+        self.units: list[ParamUnit] = []
         self.policy = policy
         self.placement = placement or MasterPlacement()
         self.separate = self.placement.separate_masters(policy.mixed)
         self.group = group
-        self.grad_sync = grad_sync
+        self.grad_sync: UnitScheduler | None = None
         self._groups = [list(g) for g in trainable_groups]
-        group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
+        self._group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
         self.master_flats: dict[int, torch.Tensor] = {}
-        self._slots: list[tuple[int, ParamUnit, int, int]] = []  # (group, unit, lo, hi), one per master
-        for unit in self.units:
-            if unit.trainable is None:
-                continue
+        self._slots: list[tuple[int, ParamUnit | None, int, int]] = []  # (group, unit, lo, hi), one per master
+        self.masters: list[torch.nn.Parameter] = []
+
+    def add_unit(self, unit: ParamUnit) -> None:
+        """Take the unit's masters (its fp32 values, before the cast), then cast it to the model dtype."""
+        self.units.append(unit)
+        if unit.trainable is not None:
             flat = self.placement.place(unit.trainable.local) if self.separate else unit.trainable.local
-            self.master_flats[id(unit)] = flat
-            for g, (lo, hi) in enumerate(_group_ranges(unit, group_of, len(self._groups))):
+            first = len(self._slots)
+            for g, (lo, hi) in enumerate(_group_ranges(unit, self._group_of, len(self._groups))):
                 if hi > lo:
                     self._slots.append((g, unit, lo, hi))
-        for unit in self.units:
-            unit.cast_(policy.param_dtype)
-        self.masters = [torch.nn.Parameter(self.master_flats[id(u)][lo:hi]) for _, u, lo, hi in self._slots]
-        for g in range(len(self._groups)):  # every rank keeps every group, if only with an empty master
+                    self.masters.append(torch.nn.Parameter(flat[lo:hi]))
+            if self.separate:
+                slots = range(first, len(self._slots))
+                self.placement.adopt(self.masters[first:], [lambda lo, values, slot=i: self._write_shard(slot, lo, values)
+                                                           for i in slots])
+                unit.trainable.on_local_changed.append(lambda u=unit: self._refresh_masters(u))
+            if self.placement.resident:  # (else the values live in the placement's files)
+                self.master_flats[id(unit)] = flat
+        unit.cast_(self.policy.param_dtype)
+
+    def finish(self, grad_sync: UnitScheduler) -> None:
+        """Every rank keeps every optimizer group, if only with an empty master."""
+        self.grad_sync = grad_sync
+        for g in range(len(self._groups)):
             if not any(slot[0] == g for slot in self._slots):
                 self._slots.append((g, None, 0, 0))
                 self.masters.append(torch.nn.Parameter(torch.zeros(0, dtype=torch.float32)))
-        order = sorted(range(len(self._slots)), key=lambda i: self._slots[i][0])
-        self._slots = [self._slots[i] for i in order]
-        self.masters = [self.masters[i] for i in order]
-        if self.separate:
-            self.placement.adopt(self.masters, [lambda lo, values, slot=i: self._write_shard(slot, lo, values)
-                                                for i in range(len(self._slots))])
-            if not self.placement.resident:
-                self.master_flats = {}  # the values live in the placement's files
-            for unit in self.units:  # weights written via GatheredParameters(modifier_rank=...) reach the masters
-                if unit.trainable is not None:
-                    unit.trainable.on_local_changed.append(lambda u=unit: self._refresh_masters(u))
 
     def _write_shard(self, slot: int, lo: int, values: torch.Tensor) -> None:
         """Round ``values`` into master ``slot``'s part of its unit's shard, at offset ``lo``."""

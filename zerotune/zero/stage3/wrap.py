@@ -10,7 +10,7 @@ another unit's released weights.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,13 +61,16 @@ def assign_params(model: torch.nn.Module, unit_names: Sequence[str]) -> dict[str
 def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
                     trainable_groups: Sequence[Sequence[torch.nn.Parameter]], *,
                     persistence_threshold: int, buffers: BufferPool | None = None,
-                    shard_device: torch.device | None = None, pin_memory: bool = False) -> list[ParamUnit]:
+                    shard_device: torch.device | None = None, pin_memory: bool = False,
+                    on_unit_built: Callable[[ParamUnit], None] | None = None) -> list[ParamUnit]:
     """Partition every parameter of ``model`` into units; returns them root first.
 
     ``trainable_groups``: the optimizer's param groups (trainable parameters only). Inside a unit
     the trainable parameters are ordered by group, so a group's part of each shard is contiguous.
     Parameters already partitioned by ``zero.Init`` are gathered one unit at a time and re-laid out.
     ``shard_device``: where the shards live between uses (``offload_param``), default with the model.
+    ``on_unit_built(unit)`` runs as each unit is built, before the next (masters, cast, swap-out), so
+    set-up memory holds about one unit whatever the model size.
     """
     group_of = {id(p): g for g, params in enumerate(trainable_groups) for p in params}
     modules = dict(model.named_modules())
@@ -88,4 +91,6 @@ def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
         for segment in previous.values():
             if all(sharded_param_of(p).segment is not segment for p in segment.params):
                 segment.discard()
+        if on_unit_built is not None:
+            on_unit_built(units[-1])
     return units
