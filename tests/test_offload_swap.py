@@ -1,4 +1,4 @@
-"""NVMe swap layer: swap files (buffered and O_DIRECT), the buffer pool, and the pipeline.
+"""NVMe swap layer: swap files (buffered and O_DIRECT) and the buffer pool.
 
 Sizes are deliberately odd (not multiples of the block size or of a page) and the block
 size is small, so one request splits into many pieces with unaligned heads and tails.
@@ -17,7 +17,7 @@ import torch
 
 from zerotune.config.sections import AioConfig
 from zerotune.offload import (AioSettings, BufferPool, BufferPoolExhausted, SwapFileError, SwapStore,
-                              aligned_numel, direct_io_supported, pipelined)
+                              aligned_numel, direct_io_supported)
 from zerotune.offload import swap_files
 
 SMALL_BLOCKS = AioSettings(block_size=8192, queue_depth=4, thread_count=2)
@@ -324,85 +324,3 @@ def test_buffer_pool_acquire_can_wait_for_a_release():
     assert again.data_ptr() == held.data_ptr()
     with pytest.raises(BufferPoolExhausted):
         pool.acquire(1, timeout=0.01)
-
-
-# ----------------------------------------------------------------------------- pipelined
-
-
-def test_pipeline_order_of_operations():
-    log: list[str] = []
-
-    class Handle:
-        def __init__(self, what):
-            self.what = what
-
-        def wait(self):
-            log.append(f"wait {self.what}")
-
-    pipelined(
-        [0, 1, 2],
-        load=lambda c: (log.append(f"load {c}"), Handle(f"load {c}"))[1],
-        compute=lambda c: log.append(f"compute {c}"),
-        store=lambda c: (log.append(f"store {c}"), Handle(f"store {c}"))[1],
-        release=lambda c: log.append(f"release {c}"),
-    )
-    assert log == [
-        "load 0", "wait load 0", "load 1", "compute 0", "store 0",
-        "wait load 1", "load 2", "compute 1", "store 1",
-        "wait load 2", "wait store 0", "release 0", "compute 2", "store 2",
-        "wait store 1", "release 1", "wait store 2", "release 2",
-    ]
-
-
-def _toy_optimizer(store: SwapStore, pool: BufferPool, n_chunks: int, sizes: list[int], fail_at=None):
-    """x += 1 on every chunk file, each chunk swapped through one pool buffer."""
-    held: dict[int, torch.Tensor] = {}
-    live = {"now": 0, "max": 0}
-
-    def load(i):
-        held[i] = pool.acquire(sizes[i])
-        live["now"] += 1
-        live["max"] = max(live["max"], live["now"])
-        return store.read(f"x{i}", held[i])
-
-    def compute(i):
-        if i == fail_at:
-            raise RuntimeError(f"compute failed on chunk {i}")
-        held[i].add_(1)
-
-    def release(i):
-        if i in held:
-            pool.release(held.pop(i))
-            live["now"] -= 1
-
-    pipelined(range(n_chunks), load, compute, lambda i: store.write(f"x{i}", held[i]), release)
-    return live
-
-
-def test_pipeline_toy_optimizer_keeps_three_chunks_live(store):
-    n, sizes = 12, [1_000 + 37 * i for i in range(12)]
-    for i in range(n):
-        store.allocate(f"x{i}", sizes[i], torch.float32)
-        store.write(f"x{i}", torch.full((sizes[i],), float(i))).wait()
-    pool = BufferPool(3, max(sizes))  # a fourth live chunk would raise BufferPoolExhausted
-    for _ in range(2):
-        live = _toy_optimizer(store, pool, n, sizes)
-        assert live == {"now": 0, "max": 3}
-    for i in range(n):
-        out = torch.empty(sizes[i])
-        store.read(f"x{i}", out).wait()
-        assert torch.equal(out, torch.full((sizes[i],), i + 2.0))
-
-
-def test_pipeline_errors_propagate_and_release_everything(store):
-    sizes = [500] * 6
-    for i in range(6):
-        store.allocate(f"x{i}", 500, torch.float32)
-    pool = BufferPool(3, 500)
-    with pytest.raises(RuntimeError, match="compute failed on chunk 3"):
-        _toy_optimizer(store, pool, 6, sizes, fail_at=3)
-    assert pool.free_count == 3
-    store.path("x4").unlink()  # a deleted swap file mid-run
-    with pytest.raises(SwapFileError, match="x4.swp is missing"):
-        _toy_optimizer(store, pool, 6, sizes)
-    assert pool.free_count == 3
