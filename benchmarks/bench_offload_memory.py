@@ -54,7 +54,9 @@ def run_method(args: argparse.Namespace) -> dict:
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}
     torch.manual_seed(0)
     with zerotune.zero.Init(config_dict_or_path=config):
-        model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+        model = torch.nn.Sequential()
+        for _ in range(args.layers):  # appended one by one: each layer is partitioned as it is registered
+            model.append(torch.nn.Linear(args.width, args.width))
     engine, *_ = zerotune.initialize(model=model, config=config)
     psi = sum(p.numel() for p in model.parameters())
     generator = torch.Generator().manual_seed(1)

@@ -231,9 +231,7 @@ class Engine(torch.nn.Module):
             clip = self._config.gradient_clipping
             if clip > 0:
                 coefficient *= min(1.0, clip / (norm + 1e-6))
-            if coefficient != 1.0:
-                torch._foreach_mul_(grads, coefficient)
-            self.state.attach(grads)
+            self.state.attach(grads, coefficient)
             self.state.placement.step(self.optimizer)
             self.state.update_model()
             if self.lr_scheduler is not None:

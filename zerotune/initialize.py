@@ -9,6 +9,7 @@ device with rank 0's weights -> fp32 masters -> model cast to its dtype -> gradi
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -27,6 +28,7 @@ from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_schedu
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import policy_from_flags
 from zerotune.zero.allreduce_sync import AllReduceGradSync
+from zerotune.offload.cpu_step import cpu_step_threads
 from zerotune.offload.nvme_optimizer import NvmePlacement
 from zerotune.offload.swap_files import AioSettings, SwapStore
 from zerotune.zero.master_placement import MasterPlacement
@@ -182,6 +184,14 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
     return state
 
 
+def _local_world_size() -> int:
+    """Ranks on this machine (torchrun's LOCAL_WORLD_SIZE; else assume all ranks are local)."""
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local and local.isdigit():
+        return int(local)
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
 def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
 
@@ -196,10 +206,12 @@ def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
     if zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device",
                           f"{offload.device} needs ZeRO stage 1, 2 or 3 (the stage is 0)")
+    threads = cpu_step_threads(_local_world_size())  # the host step may use this rank's share of the cores
     if offload.device == "cpu":
-        return MasterPlacement(device=torch.device("cpu"), pin_memory=bool(offload.pin_memory))
+        return MasterPlacement(device=torch.device("cpu"), pin_memory=bool(offload.pin_memory), step_threads=threads)
     store = SwapStore(Path(offload.nvme_path) / f"zerotune_optimizer_rank{rank}", AioSettings.from_config(cfg.aio))
-    return NvmePlacement(store, sub_group_size=int(zero.sub_group_size), buffer_count=int(offload.buffer_count))
+    return NvmePlacement(store, sub_group_size=int(zero.sub_group_size), buffer_count=int(offload.buffer_count),
+                         step_threads=threads)
 
 
 def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]], policy: Any, group: Any,

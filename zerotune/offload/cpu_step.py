@@ -1,42 +1,47 @@
 """The optimizer step on the host (ZeRO-Offload): which torch kernel, how many threads, how to chunk.
 
 With ``offload_optimizer`` the fp32 masters and the optimizer state live in host memory and
-the step runs on the CPU. That step is a stream over a few huge flat fp32 tensors, so it is
-bound by memory bandwidth, and the only questions are which of torch's implementations gets
-closest to it and how many threads to give it. Answers measured with
-``benchmarks/bench_cpu_optimizer.py`` (2-core AMD EPYC VM, AVX2, torch 2.13 CPU build;
-fp32, 100M elements; "bytes" counts the state each element must touch, e.g. 7 x 4 for Adam;
-the machine's in-place-add bandwidth in the same run was ~28 GB/s):
+the step runs on the CPU. That step streams over a few huge flat fp32 tensors, so it is bound
+by memory bandwidth; the questions are which of torch's implementations gets closest to it
+and how many threads to give it. Measured with ``benchmarks/bench_cpu_optimizer.py`` (2-core
+AMD EPYC VM, AVX2, torch 2.13 CPU build, 100M fp32 elements, medians of interleaved rounds,
+other jobs sharing the cores: load ~3). GB/s counts the state each element must touch once
+(Adam/AdamW 7 x 4 bytes, SGD+momentum and Adagrad 5 x 4); in brackets the ratio to the same
+run's in-place ``add_`` bandwidth, 29.8 GB/s (the fused kernels can slightly exceed it):
 
-=========  =================  =================  =================
-type       fused              foreach            for-loop (default)
-=========  =================  =================  =================
-AdamW      27 GB/s  (0.96)    4.5 GB/s (0.16)    3.3 GB/s (0.12)
-Adam       27 GB/s  (0.97)    5.1 GB/s (0.18)    2.2 GB/s (0.08)
-SGD+mom.   20 GB/s  (0.71)    15 GB/s  (0.54)    15 GB/s  (0.54)
-Adagrad    27 GB/s  (0.97)    1.5 GB/s (0.05)    3.1 GB/s (0.11)
-=========  =================  =================  =================
+=============  ==================  ==================  ==================  ===================
+type           fused, 1 thread     fused, 2 threads    foreach, 1 thread   for-loop, 1 thread
+=============  ==================  ==================  ==================  ===================
+AdamW          29.2 GB/s (0.98)    31.7 GB/s (1.06)    4.7 GB/s (0.16)     2.9 GB/s (0.10)
+Adam (L2)      32.7 GB/s (1.10)    35.3 GB/s (1.18)    3.1 GB/s (0.10)     2.4 GB/s (0.08)
+SGD+momentum   26.1 GB/s (0.87)    30.5 GB/s (1.02)    16.4 GB/s (0.55)    17.3 GB/s (0.58)
+Adagrad        25.1 GB/s (0.84)    27.7 GB/s (0.93)    1.6 GB/s (0.05)     4.3 GB/s (0.14)
+=============  ==================  ==================  ==================  ===================
 
-(ratio to the measured bandwidth in brackets). torch's fused CPU kernels read and write every
-element once, so they reach the bandwidth; foreach and the for-loop make one pass per
-arithmetic op. ``zerotune.optim.build_optimizer`` already picks ``fused=True`` for these four
-types, so :func:`build_cpu_optimizer` only adds what the host step needs on top: the
-fp32-on-CPU check and a warning when fused could not be used. For one huge tensor foreach is
-*not* reliably faster than the for-loop (Adagrad, RMSprop and ASGD were slower with it), so
-other types keep torch's default.
+torch's fused CPU kernels read and write each element once; foreach and the for-loop make one
+pass per arithmetic op (and allocate full-size temporaries). ``zerotune.optim.build_optimizer``
+already picks ``fused=True`` for these four types, so :func:`build_cpu_optimizer` adds only
+what the host step needs on top: the fp32-on-CPU check and a warning when fused could not be
+used. For one huge tensor foreach is *not* reliably faster than the for-loop (Adagrad above;
+RMSprop, Adadelta, ASGD in a side measurement), so types without a fused kernel keep torch's
+default.
 
-Threads: one core already saturates this VM's memory bandwidth; a second thread changed a
-single rank's AdamW step by -5..+10% (noise level), and with two ranks stepping at once on the
-two cores, two threads each oversubscribe the cores and were slower. :func:`cpu_step_threads`
-therefore gives each rank its share of the cores (here: 2 with one rank, 1 with two); on a
-many-core server, where one core reaches a fraction of the bandwidth, that share is what helps.
+Threads (see :func:`cpu_step_threads`): a lone rank stepping AdamW with both cores was 8-30%
+faster than with one in three runs (78 vs 91, 88 vs 96, 79 vs 117 ms; the add_ bandwidth
+itself ranged 27-37 GB/s between runs). Two ranks stepping at once (50M elements each) gained
+nothing reliable from 2 threads each, which oversubscribes the cores: aggregate 19-50 GB/s
+(median 38) against 26-43 GB/s (median 35) with 1 each, over five runs. A hazard on shared
+machines: every parallel region waits for all its threads, and a thread descheduled by some
+other process costs a scheduler time slice (~5 ms); in a run with the cores busy, AdamW in
+1M-element chunks took 625 ms with 2 threads against 117 ms with 1 (86 vs 119 ms when
+quieter). Use ``step_threads(1)`` where the cores are not the job's own.
 
 Chunking (NVMe offload steps one ``sub_group_size`` chunk at a time, the others holding no
-gradient): 1M-element chunks cost ~3% of the step and 10M+ no measurable time. The fused
-kernels vectorise each tensor and finish its last ``len % 8`` (AVX2) elements with scalar
-code, which rounds differently by up to 1 ulp; so chunk boundaries at a multiple of
-:data:`STEP_ALIGNMENT_ELEMENTS` keep chunked stepping bitwise equal to stepping the whole
-tensor. The thread count never changes the numbers.
+gradient): 1M-element chunks cost +16..24% over one step of the whole 100M tensor, 10M chunks
++10..13% (noise level: -12% in another run). The fused kernels vectorise each tensor and
+finish its last ``len % 8`` (AVX2) elements in scalar code, which rounds differently by up to
+1 ulp; chunk boundaries at a multiple of :data:`STEP_ALIGNMENT_ELEMENTS` therefore keep
+chunked stepping bitwise equal to stepping the whole tensor. The thread count never changes the numbers.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ STEP_ALIGNMENT_ELEMENTS = 64
 chunked fused steps bitwise equal to unchunked ones."""
 
 FUSED_TYPES = ("Adam", "AdamW", "SGD", "Adagrad")
-"""Optimizer types torch has a fused CPU kernel for (measured 1.3-20x faster than the alternatives)."""
+"""Optimizer types torch has a fused CPU kernel for (measured 1.6-10x faster than the better alternative)."""
 
 
 def build_cpu_optimizer(
@@ -69,7 +74,7 @@ def build_cpu_optimizer(
     the offloaded step runs there and keeps full-precision masters; anything else is a
     wiring bug upstream, reported here by position rather than as a kernel error later.
     Warns when one of :data:`FUSED_TYPES` ends up unfused without the user asking for it
-    (a setting the fused kernel refuses): the step still works, ~6x slower (see the table above).
+    (a setting the fused kernel refuses): the step still works, 1.6-10x slower (table above).
     """
     groups = list(param_groups)
     for group_index, group in enumerate(groups):
@@ -84,13 +89,13 @@ def build_cpu_optimizer(
                 )
     optimizer = build_optimizer(optimizer_type, hyperparameters, groups)
     user_chose = any(key in (hyperparameters or {}) for key in ("fused", "foreach"))
-    if canonical_optimizer_name(optimizer_type) in FUSED_TYPES and not user_chose:
-        if step_implementation(optimizer) != "fused":
-            warnings.warn(
-                f"optimizer {optimizer_type!r}: torch's fused CPU kernel refused these settings, so the "
-                f"offloaded step runs the {step_implementation(optimizer)} implementation (measured ~6x slower)",
-                stacklevel=2,
-            )
+    implementation = step_implementation(optimizer)
+    if canonical_optimizer_name(optimizer_type) in FUSED_TYPES and not user_chose and implementation != "fused":
+        warnings.warn(
+            f"optimizer {optimizer_type!r}: torch's fused CPU kernel refused these settings, so the "
+            f"offloaded step runs the {implementation} implementation (measured 1.6-10x slower)",
+            stacklevel=2,
+        )
     return optimizer
 
 
@@ -117,8 +122,12 @@ def cpu_step_threads(local_world_size: int) -> int:
     """Intra-op threads for one rank's host step: its equal share of this node's cores, at least 1.
 
     Every rank on the node steps at the same moment, so more than a share oversubscribes the
-    cores (measured slower with 2 ranks x 2 threads on 2 cores); a share, rather than the
-    single thread training ranks usually run with, lets a lone rank use the idle cores.
+    cores (2 ranks x 2 threads on 2 cores: no reliable gain, twice the spread); a share, rather
+    than the single thread training ranks usually run with, lets a lone rank use the idle
+    cores (+8-30% here).
+    On a many-core server one core reaches only a fraction of the memory bandwidth, so the
+    share matters more there (expected, not measured: this machine has 2 cores). Assumes the
+    node's cores are the job's own; see the module docstring for what happens when they are not.
     """
     if not isinstance(local_world_size, int) or local_world_size < 1:
         raise ValueError(f"cpu_step_threads: local_world_size must be an int >= 1, got {local_world_size!r}")

@@ -27,6 +27,7 @@ from typing import Sequence
 import torch
 
 from zerotune.offload.buffers import BufferPool
+from zerotune.offload.cpu_step import step_threads
 from zerotune.offload.swap_files import SwapFileError, SwapHandle, SwapStore
 from zerotune.zero.master_placement import MasterPlacement, ShardWriter
 
@@ -55,8 +56,9 @@ class _Chunk:
 class NvmePlacement(MasterPlacement):
     """Masters and optimizer state in ``store``'s files, stepped chunk by chunk through ``pool``."""
 
-    def __init__(self, store: SwapStore, *, sub_group_size: int, buffer_count: int) -> None:
-        super().__init__(device=torch.device("cpu"))
+    def __init__(self, store: SwapStore, *, sub_group_size: int, buffer_count: int,
+                 step_threads: int | None = None) -> None:
+        super().__init__(device=torch.device("cpu"), step_threads=step_threads)
         self.store = store
         # Chunks start at multiples of 64 elements: a vectorized (fused) kernel then splits every chunk
         # into vector body and scalar tail exactly where it splits the whole master -- same bits.
@@ -67,6 +69,7 @@ class NvmePlacement(MasterPlacement):
         self.writers: list[ShardWriter] = []
         self.state_keys: list[str] = []  # tensor state per parameter (exp_avg, ...), known after the first step
         self._grads: list[torch.Tensor] = []
+        self._coefficient = 1.0
         self._allocated: set[str] = set()
 
     resident = False
@@ -95,9 +98,13 @@ class NvmePlacement(MasterPlacement):
     def optimizer_params(self, master_index: int, master: torch.nn.Parameter) -> list[torch.nn.Parameter]:
         return [c.proxy for c in self.chunks if c.master == master_index]
 
-    def grads_for(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        self._grads = [g.reshape(-1) for g in grads]  # read chunk by chunk during the step
-        return [None] * len(grads)
+    streams_grads = True
+
+    def attach(self, masters: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor], coefficient: float) -> None:
+        """Keep the gradients (model dtype) and the coefficient: each chunk's fp32 gradient is made in the step
+        (the same fp32 copy and multiply as without offload), so no full fp32 gradient is ever held."""
+        self._grads = [g.reshape(-1) for g in grads]
+        self._coefficient = coefficient
 
     def refresh(self, master_index: int, values: torch.Tensor) -> None:
         """Overwrite master ``master_index`` (e.g. after weights were loaded into the model's shard)."""
@@ -143,7 +150,8 @@ class NvmePlacement(MasterPlacement):
             upcoming = None
             if i + 1 < len(self.chunks) and self.pool.free_count >= 2 * needed:
                 upcoming = self._load(self.chunks[i + 1])  # read ahead while this chunk steps
-            self._step_chunk(optimizer, chunk, buffers)
+            with step_threads(self.step_threads or torch.get_num_threads()):
+                self._step_chunk(optimizer, chunk, buffers)
             writes.append(self._store(chunk, buffers, optimizer))
             while len(writes) > 1:
                 retire_oldest()
@@ -156,7 +164,10 @@ class NvmePlacement(MasterPlacement):
     def _step_chunk(self, optimizer: torch.optim.Optimizer, chunk: _Chunk, buffers: dict[str, torch.Tensor]) -> None:
         proxy = chunk.proxy
         proxy.data = buffers["master"]
-        proxy.grad = self._grads[chunk.master][chunk.lo:chunk.hi]
+        grad = self._grads[chunk.master][chunk.lo:chunk.hi].float()  # bf16: a copy; fp32: the shard itself
+        if self._coefficient != 1.0:
+            grad.mul_(self._coefficient)  # the plain path's multiply, on this chunk only
+        proxy.grad = grad
         state = optimizer.state[proxy]
         state.update({key: buffers[key] for key in self.state_keys if key in buffers})
         optimizer.step()

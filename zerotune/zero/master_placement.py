@@ -14,6 +14,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from zerotune.offload.cpu_step import step_threads
+
 
 ShardWriter = Callable[[int, torch.Tensor], None]
 """``writer(lo, values)``: write ``values`` at offset ``lo`` of the model shard a master rounds into."""
@@ -25,6 +27,8 @@ class MasterPlacement:
 
     device: torch.device | None = None
     pin_memory: bool = False
+    step_threads: int | None = None
+    """Torch threads for an offloaded (host) optimizer step; the ranks' training threads are restored after."""
     _grads: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     resident = True
@@ -43,7 +47,11 @@ class MasterPlacement:
         return [master]
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.step()
+        if self.step_threads is None:
+            optimizer.step()
+            return
+        with step_threads(self.step_threads):  # the host's cores, shared by this machine's ranks
+            optimizer.step()
 
     def separate_masters(self, mixed_precision: bool) -> bool:
         """Whether masters are a copy (mixed precision, or living elsewhere) rather than views of the shards."""
@@ -55,6 +63,16 @@ class MasterPlacement:
         master = torch.empty(tensor.shape, dtype=torch.float32, device=device,
                              pin_memory=self.pin_memory and device.type == "cpu" and torch.cuda.is_available())
         return master.copy_(tensor)
+
+    streams_grads = False
+    """True: ``step_grads`` may hand over gradients in the model dtype, converted chunk by chunk in the step."""
+
+    def attach(self, masters: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor], coefficient: float) -> None:
+        """Unscale/clip (``grads * coefficient``) and give each master its gradient, where the master lives."""
+        if coefficient != 1.0:
+            torch._foreach_mul_(list(grads), coefficient)
+        for master, grad in zip(masters, self.grads_for(masters, grads)):
+            master.grad = grad
 
     def grads_for(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients where the masters are (host copies into reused buffers when offloading)."""

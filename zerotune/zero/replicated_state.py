@@ -48,9 +48,8 @@ class ReplicatedState:
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
 
-    def attach(self, grads: Sequence[torch.Tensor]) -> None:
-        for master, grad in zip(self.masters, grads):
-            master.grad = grad
+    def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
+        self.placement.attach(self.masters, grads, coefficient)
 
     def update_model(self) -> None:
         self.weights.copy_to_model()

@@ -44,8 +44,9 @@ def sharded_grad_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | 
     """Global L2 norm from every rank's gradient slices: one all-reduce of the summed squares."""
     device = grads[0].device if grads else torch.device("cpu")
     squares = torch.zeros((), dtype=torch.float64, device=device)
-    if grads:  # per-slice norms in fp32 (cascaded sums: accurate), squared and summed in fp64
-        squares += torch.stack(torch._foreach_norm(list(grads))).double().pow(2).sum()
+    if grads:  # per-slice norms in fp32 (cascaded sums: accurate), squared and summed in fp64; one slice at a
+        # time, so gradients still in bf16 (NVMe offload) are converted one slice at a time
+        squares += torch.stack([torch._foreach_norm([g.float()])[0] for g in grads]).double().pow(2).sum()
     comm.all_reduce(squares, group)
     return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
 
@@ -97,14 +98,15 @@ class ShardedState:
 
     def step_grads(self) -> list[torch.Tensor]:
         """fp32 gradients of the master shards (a transient fp32 copy when training in bf16/fp16)."""
+        if self.placement.streams_grads:  # converted chunk by chunk in the step
+            return [self.grad_sync.shard_grad(g) for g in range(len(self.flat_groups))]
         return [self.grad_sync.shard_grad(g).float() for g in range(len(self.flat_groups))]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         return sharded_grad_norm(grads, self.group)
 
-    def attach(self, grads: Sequence[torch.Tensor]) -> None:
-        for master, grad in zip(self.masters, self.placement.grads_for(self.masters, grads)):
-            master.grad = grad
+    def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
+        self.placement.attach(self.masters, grads, coefficient)
 
     @torch.no_grad()
     def update_model(self) -> None:

@@ -114,15 +114,15 @@ class Stage3State:
 
     def step_grads(self) -> list[torch.Tensor]:
         """fp32 gradients of the masters (a transient fp32 copy when training in bf16/fp16)."""
-        return [unit.grad_shard[lo:hi].float() if unit is not None else master.new_zeros(0)
-                for (_, unit, lo, hi), master in zip(self._slots, self.masters)]
+        convert = not self.placement.streams_grads  # (NVMe offload converts chunk by chunk in the step)
+        return [(unit.grad_shard[lo:hi].float() if convert else unit.grad_shard[lo:hi]) if unit is not None
+                else master.new_zeros(0) for (_, unit, lo, hi), master in zip(self._slots, self.masters)]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         return sharded_grad_norm(grads, self.group)
 
-    def attach(self, grads: Sequence[torch.Tensor]) -> None:
-        for master, grad in zip(self.masters, self.placement.grads_for(self.masters, grads)):
-            master.grad = grad
+    def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
+        self.placement.attach(self.masters, grads, coefficient)
 
     @torch.no_grad()
     def update_model(self) -> None:
