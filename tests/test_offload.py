@@ -41,7 +41,8 @@ def _train(model_name: str, stage: int, precision: str, offload: dict) -> dict:
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
     masters_on = {m.device.type for m in engine.state.masters}
     engine.destroy()
-    return {"trace": trace, "weights": weights, "masters_on": masters_on, "separate": engine.state.separate}
+    return {"trace": trace, "weights": weights, "masters_on": masters_on, "separate": engine.state.separate,
+            "staged_steps": engine.state.placement.staged_steps}
 
 
 def _compare(model_name: str, stage: int, precision: str, offload: dict) -> dict:
@@ -49,7 +50,8 @@ def _compare(model_name: str, stage: int, precision: str, offload: dict) -> dict
     offloaded = _train(model_name, stage, precision, offload)
     same_weights = all(torch.equal(plain["weights"][k], v) for k, v in offloaded["weights"].items())
     return {"plain": plain["trace"], "offloaded": offloaded["trace"], "same_weights": same_weights,
-            "masters_on": offloaded["masters_on"], "separate": offloaded["separate"]}
+            "masters_on": offloaded["masters_on"], "separate": offloaded["separate"],
+            "staged_steps": offloaded["staged_steps"]}
 
 
 CPU = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
@@ -62,6 +64,8 @@ def test_cpu_optimizer_offload_reproduces_the_run_exactly(model_name: str, stage
     assert result["offloaded"].losses == result["plain"].losses
     assert result["offloaded"].grad_norms == result["plain"].grad_norms
     assert result["same_weights"] and result["separate"] and result["masters_on"] == {"cpu"}
+    # stages 2 and 3 copy each gradient to the host as backward finishes it (stage 1 reduces only at the step)
+    assert result["staged_steps"] == (STEPS if stage > 1 else 0)
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -181,6 +181,7 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
         state.grad_sync = BucketedReduceGradSync(state.flat_groups, group, bucket_numel=int(zero.reduce_bucket_size),
                                                  position=position, predivide_factor=predivide,
                                                  max_in_flight=2 if zero.overlap_comm else 0)
+        state.stage_grads_during_backward()
     return state
 
 

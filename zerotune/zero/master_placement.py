@@ -30,6 +30,11 @@ class MasterPlacement:
     step_threads: int | None = None
     """Torch threads for an offloaded (host) optimizer step; the ranks' training threads are restored after."""
     _grads: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _staging: list[torch.Tensor] = field(default_factory=list, repr=False)
+    _expected: list[int] = field(default_factory=list, repr=False)
+    _staged: list[int] = field(default_factory=list, repr=False)
+    staged_steps: int = 0
+    """Optimizer steps whose gradients were all copied to the host during backward."""
 
     resident = True
     """Whether the masters hold their values in memory (NVMe offload keeps them in files)."""
@@ -73,6 +78,7 @@ class MasterPlacement:
             torch._foreach_mul_(list(grads), coefficient)
         for master, grad in zip(masters, self.grads_for(masters, grads)):
             master.grad = grad
+        self.clear_staging()
 
     def grads_for(self, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The gradients where the masters are (host copies into reused buffers when offloading)."""
@@ -80,6 +86,9 @@ class MasterPlacement:
             return list(grads)
         placed = []
         for master, grad in zip(masters, grads):
+            if grad.device == master.device and grad.dtype == master.dtype:  # staged, or already on the host
+                placed.append(grad)
+                continue
             buffer = self._grads.get(id(master))
             if buffer is None or buffer.shape != master.shape:
                 buffer = self._grads[id(master)] = torch.empty_like(master)
@@ -88,5 +97,38 @@ class MasterPlacement:
             torch.cuda.current_stream().synchronize()  # the step reads the host copies next
         return placed
 
+    # ---- gradients copied to the host during backward (ZeRO-Offload's overlap) -------------
+    def enable_staging(self, masters: Sequence[torch.Tensor], expected: Sequence[int]) -> None:
+        """Host fp32 gradient buffers, one per master, filled by ``stage`` as backward finishes each part
+        (``expected[i]``: how many of master i's elements get a gradient). Only when offloading to the host."""
+        if not (self.offloaded and self.resident):
+            return
+        pin = self.pin_memory and torch.cuda.is_available()
+        self._staging = [torch.zeros(m.shape, dtype=torch.float32, device=self.device, pin_memory=pin)
+                         for m in masters]
+        self._expected = list(expected)
+        self._staged = [0] * len(masters)
+
+    def stage(self, master_index: int, lo: int, grad: torch.Tensor) -> None:
+        """The final gradient of ``[lo, lo + n)`` of master ``master_index`` (last micro-step): copy it to the
+        host now, asynchronously into pinned memory with CUDA, while backward goes on."""
+        if not self._staging:
+            return
+        buffer = self._staging[master_index]
+        buffer[lo:lo + grad.numel()].copy_(grad, non_blocking=buffer.is_pinned())
+        self._staged[master_index] += grad.numel()
+
+    def staged_grads(self) -> list[torch.Tensor] | None:
+        """The host gradients if backward staged all of them, else None (the step copies them instead)."""
+        if not self._staging or self._staged != self._expected:
+            return None
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the non-blocking copies land before the step reads them
+        self.staged_steps += 1
+        return list(self._staging)
+
+    def clear_staging(self) -> None:
+        self._staged = [0] * len(self._staging)
+
     def grad_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._grads.values())
+        return sum(t.numel() * t.element_size() for t in [*self._grads.values(), *self._staging])

@@ -86,6 +86,13 @@ class ShardedState:
             self.placement.adopt(self.masters, [_range_writer(fg.owned) for fg in self.flat_groups])
         self.grad_sync = None
 
+    def stage_grads_during_backward(self) -> None:
+        """Host offload at stage 2: copy each gradient part to the host as soon as its bucket is reduced."""
+        real = [max(0, min(fg.layout.owned_range(fg.rank)[1], fg.layout.total) - fg.layout.owned_range(fg.rank)[0])
+                for fg in self.flat_groups]
+        self.placement.enable_staging(self.masters, real)
+        self.grad_sync.on_final_grad = self.placement.stage
+
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for fg in self.flat_groups for p in fg.params]
@@ -97,7 +104,11 @@ class ShardedState:
                 for index, (group, master) in enumerate(zip(groups, self.masters))]
 
     def step_grads(self) -> list[torch.Tensor]:
-        """fp32 gradients of the master shards (a transient fp32 copy when training in bf16/fp16)."""
+        """fp32 gradients of the master shards (a transient fp32 copy when training in bf16/fp16; the host
+        copies made during backward with host offload at stage 2)."""
+        staged = self.placement.staged_grads()
+        if staged is not None:
+            return staged
         if self.placement.streams_grads:  # converted chunk by chunk in the step
             return [self.grad_sync.shard_grad(g) for g in range(len(self.flat_groups))]
         return [self.grad_sync.shard_grad(g).float() for g in range(len(self.flat_groups))]
@@ -113,7 +124,7 @@ class ShardedState:
         """Round the updated master slices into the flat parameters, then all-gather every rank's slice."""
         for fg, master in zip(self.flat_groups, self.masters):
             if self.separate and self.placement.resident:  # (NVMe offload rounded each chunk as it stepped)
-                fg.owned.copy_(master)
+                fg.owned.copy_(master, non_blocking=master.is_pinned())  # ordered before the all-gather (same stream)
             fg.all_gather(self.group, self.allgather_bucket_numel)
 
     @torch.no_grad()
@@ -150,5 +161,6 @@ class ShardedState:
 
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()
+        self.placement.clear_staging()
         for master in self.masters:
             master.grad = None

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,14 +82,17 @@ class BucketedReduceGradSync:
         self._storage_of: dict[int, torch.Tensor] = {}
         self._in_flight: deque[tuple[Bucket, comm.Handle]] = deque()
         self._round_open = False
+        self._boundary = False
+        self.on_final_grad: Callable[[int, int, torch.Tensor], None] | None = None
+        """``(group, lo, grad)``: a part of a gradient slice is final (last micro-step), e.g. to copy it to the host."""
         params = [p for fg in self.flat_groups for p in fg.params]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Every micro-step is a communication round; close the previous one first."""
-        del is_boundary
         if self._round_open:
             self._complete_round()
+        self._boundary = is_boundary
         self.buckets.start_round()
         self._round_open = True
 
@@ -125,8 +128,10 @@ class BucketedReduceGradSync:
         fg = self.flat_groups[target.group]
         if target.owner == fg.rank:
             start = fg.layout.owned_range(fg.rank)[0]
-            self.grad_shards[target.group][target.lo - start:target.hi - start].add_(bucket.buffer,
-                                                                                     alpha=self.post_factor)
+            part = self.grad_shards[target.group][target.lo - start:target.hi - start]
+            part.add_(bucket.buffer, alpha=self.post_factor)
+            if self._boundary and self.on_final_grad is not None:
+                self.on_final_grad(target.group, target.lo - start, part)
         bucket.buffer = None
         self._free_buffers.append(self._storage_of.pop(id(bucket)))
 

@@ -21,7 +21,7 @@ collectives. A module may run more than once per forward: it is gathered again w
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch.autograd.graph import register_multi_grad_hook
@@ -76,6 +76,9 @@ class UnitScheduler:
         self._forward_trace: list[ParamUnit] = []
         self._backward_trace: list[ParamUnit] = []
         self._in_backward = False
+        self._boundary = False
+        self.on_final_grad: Callable[[ParamUnit], None] | None = None
+        """A unit's gradient slice is final (last micro-step), e.g. to copy it to the host during backward."""
         self._reducing: deque[ParamUnit] = deque()
         self._pending_inputs: dict[int, int] = {}
         self._grads_complete: set[int] = set()
@@ -188,7 +191,12 @@ class UnitScheduler:
         unit.launch_reduce(self.pre_factor)
         self._reducing.append(unit)
         while len(self._reducing) > self.max_in_flight:
-            self._reducing.popleft().finish_reduce(self.post_factor)
+            self._retire(self._reducing.popleft())
+
+    def _retire(self, unit: ParamUnit) -> None:
+        unit.finish_reduce(self.post_factor)
+        if self._boundary and self.on_final_grad is not None:
+            self.on_final_grad(unit)
 
     def _end_backward(self) -> None:
         """After all of backward: reduce what never completed, wait for every reduce, release units."""
@@ -196,7 +204,7 @@ class UnitScheduler:
             if unit.trainable is not None and not unit.reduced:
                 self._reduce(unit)
         while self._reducing:
-            self._reducing.popleft().finish_reduce(self.post_factor)
+            self._retire(self._reducing.popleft())
         for unit in self.units:
             unit.reduced = False
             if not unit.persistent:
@@ -209,7 +217,8 @@ class UnitScheduler:
 
     # ---- the engine's gradient-sync interface ---------------------------------------------
     def begin_micro_step(self, is_boundary: bool) -> None:
-        del is_boundary  # every micro-step reduce-scatters (accumulating full gradients would cost their memory)
+        """Every micro-step reduce-scatters (accumulating full gradients would cost their memory)."""
+        self._boundary = is_boundary
 
     def finish(self) -> None:
         """Gradients are complete when backward returns (the end-of-backward callback waited for them)."""

@@ -122,8 +122,8 @@ class FlatSegment:
 
     def overwrite_local(self, values: torch.Tensor, notify: bool = True) -> None:
         """Replace this rank's shard (checkpoint load, masters rounded in, a modified parameter)."""
-        with torch.no_grad():
-            self.make_resident().copy_(values)
+        with torch.no_grad():  # from pinned host masters: asynchronous, ordered before the next gather
+            self.make_resident().copy_(values, non_blocking=values.is_pinned())
         self.store_local() if not notify else self.notify_local_changed()
 
     def write_local_range(self, lo: int, values: torch.Tensor) -> None:

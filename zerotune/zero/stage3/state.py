@@ -78,12 +78,24 @@ class Stage3State:
         unit.cast_(self.policy.param_dtype)
 
     def finish(self, grad_sync: UnitScheduler) -> None:
-        """Every rank keeps every optimizer group, if only with an empty master."""
+        """Every rank keeps every optimizer group, if only with an empty master; host offload copies each
+        unit's final gradient to the host as soon as its last reduce-scatter is done."""
         self.grad_sync = grad_sync
         for g in range(len(self._groups)):
             if not any(slot[0] == g for slot in self._slots):
                 self._slots.append((g, None, 0, 0))
                 self.masters.append(torch.nn.Parameter(torch.zeros(0, dtype=torch.float32)))
+        self.placement.enable_staging(self.masters, [hi - lo for _, _, lo, hi in self._slots])
+        slots_of: dict[int, list[int]] = {}
+        for index, (_, unit, _, _) in enumerate(self._slots):
+            if unit is not None:
+                slots_of.setdefault(id(unit), []).append(index)
+
+        def stage(unit: ParamUnit) -> None:
+            for index in slots_of.get(id(unit), []):
+                _, _, lo, hi = self._slots[index]
+                self.placement.stage(index, 0, unit.grad_shard[lo:hi])
+        grad_sync.on_final_grad = stage
 
     def _write_shard(self, slot: int, lo: int, values: torch.Tensor) -> None:
         """Round ``values`` into master ``slot``'s part of its unit's shard, at offset ``lo``."""
@@ -113,7 +125,11 @@ class Stage3State:
                 for index, group in enumerate(groups)]
 
     def step_grads(self) -> list[torch.Tensor]:
-        """fp32 gradients of the masters (a transient fp32 copy when training in bf16/fp16)."""
+        """fp32 gradients of the masters (a transient fp32 copy when training in bf16/fp16; the host copies
+        made during backward with host offload)."""
+        staged = self.placement.staged_grads()
+        if staged is not None:
+            return staged
         convert = not self.placement.streams_grads  # (NVMe offload converts chunk by chunk in the step)
         return [(unit.grad_shard[lo:hi].float() if convert else unit.grad_shard[lo:hi]) if unit is not None
                 else master.new_zeros(0) for (_, unit, lo, hi), master in zip(self._slots, self.masters)]
@@ -167,5 +183,6 @@ class Stage3State:
 
     def zero_grad(self) -> None:
         self.grad_sync.zero_grad()
+        self.placement.clear_staging()
         for master in self.masters:
             master.grad = None
