@@ -48,7 +48,8 @@ def run_method(args: argparse.Namespace) -> dict:
     zero = {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0,
             "reduce_bucket_size": args.width * args.width, "sub_group_size": args.sub_group_size}
     if args.method == "nvme":
-        zero["offload_param"] = {"device": "nvme", "nvme_path": args.dir}
+        shard = args.width * args.width + args.width  # one layer's shard (a unit) on one rank
+        zero["offload_param"] = {"device": "nvme", "nvme_path": args.dir, "buffer_count": 3, "buffer_size": shard}
         zero["offload_optimizer"] = {"device": "nvme", "nvme_path": args.dir, "buffer_count": 4}
     config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10**9, "bf16": {"enabled": True},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "zero_optimization": zero}

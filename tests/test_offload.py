@@ -129,7 +129,7 @@ def test_nvme_offloaded_checkpoint_resumes_exactly(tmp_path, stage: int) -> None
 
 
 def _nvme_everything(path: str) -> dict:
-    return {"offload_param": {"device": "nvme", "nvme_path": path},
+    return {"offload_param": {"device": "nvme", "nvme_path": path, "buffer_count": 3, "buffer_size": 20000},
             "offload_optimizer": {"device": "nvme", "nvme_path": path}, "sub_group_size": 200}
 
 
@@ -162,3 +162,24 @@ def test_a_damaged_swap_file_is_an_error_naming_it(tmp_path, damage: str) -> Non
     message = run_distributed(_damaged_swap_file, 2, str(tmp_path), damage, timeout=120)[0]
     text, victim = message.rsplit("|", 1)
     assert "SwapFileError" in text and victim in text, text
+
+
+def test_nvme_parameter_offload_alone_in_fp32_reproduces_the_run_exactly(tmp_path) -> None:
+    offload = {"offload_param": {"device": "nvme", "nvme_path": str(tmp_path), "buffer_count": 3, "buffer_size": 20000}}
+    result = run_distributed(_compare, 2, "gpt2", 3, "fp32", offload, timeout=180)[0]
+    assert result["offloaded"].losses == result["plain"].losses
+    assert result["same_weights"]
+
+
+def _too_small_buffers(path: str) -> str:
+    offload = {"offload_param": {"device": "nvme", "nvme_path": path, "buffer_count": 2, "buffer_size": 10}}
+    try:
+        zerotune.initialize(model=make_gpt2(), config=_config(3, "fp32", offload))
+        return "no error"
+    except ValueError as error:
+        return str(error)
+
+
+def test_swap_buffers_smaller_than_a_shard_are_a_clear_error(tmp_path) -> None:
+    message = run_distributed(_too_small_buffers, 2, str(tmp_path))[0]
+    assert "zero_optimization.offload_param.buffer_size is 10 elements" in message and "raise it" in message

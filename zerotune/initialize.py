@@ -30,6 +30,7 @@ from zerotune.precision.policy import policy_from_flags
 from zerotune.zero.allreduce_sync import AllReduceGradSync
 from zerotune.offload.cpu_step import cpu_step_threads
 from zerotune.offload.nvme_optimizer import NvmePlacement
+from zerotune.offload.buffers import BufferPool as SwapBufferPool
 from zerotune.offload.swap_files import AioSettings, SwapStore
 from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.replicated_state import ReplicatedState
@@ -202,8 +203,8 @@ def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
     swap files under ``nvme_path`` (ZeRO-Infinity), one directory per rank."""
     zero = cfg.zero_optimization
     offload = zero.offload_optimizer
-    if offload.device == "none":
-        return MasterPlacement()
+    if offload.device == "none":  # with parameters on NVMe, masters cannot be views of their shards
+        return MasterPlacement(always_separate=zero.offload_param.device == "nvme")
     if zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device",
                           f"{offload.device} needs ZeRO stage 1, 2 or 3 (the stage is 0)")
@@ -227,13 +228,15 @@ def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]],
     state = Stage3State(group_params, policy, group, placement)
     store = (SwapStore(Path(offload.nvme_path) / f"zerotune_params_rank{rank}", aio)
              if offload.device == "nvme" else None)
+    pool = (SwapBufferPool(int(offload.buffer_count), int(offload.buffer_size), dtype=policy.param_dtype)
+            if store is not None else None)
 
     def unit_built(unit: Any) -> None:  # masters taken and the unit cast (and swapped out) before the next
         state.add_unit(unit)
         if store is not None:  # files hold the model dtype
             for kind, segment in (("trainable", unit.trainable), ("frozen", unit.frozen)):
                 if segment is not None:
-                    segment.swap_out_to(store, f"unit{len(state.units) - 1}_{kind}")
+                    segment.swap_out_to(store, f"unit{len(state.units) - 1}_{kind}", pool)
 
     units = partition_model(model, group, group_params, buffers=BufferPool(capacity_numel=int(zero.reduce_bucket_size)),
                             persistence_threshold=int(zero.stage3_param_persistence_threshold),

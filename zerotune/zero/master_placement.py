@@ -27,6 +27,8 @@ class MasterPlacement:
 
     device: torch.device | None = None
     pin_memory: bool = False
+    always_separate: bool = False
+    """Separate masters even in fp32 without offload (the shards they would view live in files)."""
     step_threads: int | None = None
     """Torch threads for an offloaded (host) optimizer step; the ranks' training threads are restored after."""
     _grads: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -60,7 +62,7 @@ class MasterPlacement:
 
     def separate_masters(self, mixed_precision: bool) -> bool:
         """Whether masters are a copy (mixed precision, or living elsewhere) rather than views of the shards."""
-        return mixed_precision or self.offloaded
+        return mixed_precision or self.offloaded or self.always_separate
 
     def place(self, tensor: torch.Tensor) -> torch.Tensor:
         """An fp32 copy of ``tensor`` where the masters live."""

@@ -148,7 +148,7 @@ class UnitScheduler:
         for unit in order[position + 1:]:
             if unit.live:
                 continue
-            if unit.numel > budget or live + unit.numel > self.max_live_numel:
+            if unit.numel > budget or live + unit.numel > self.max_live_numel or not unit.can_swap_in:
                 break
             unit.start_gather()
             budget -= unit.numel

@@ -50,9 +50,10 @@ class FlatSegment:
         self._pin = pin_memory and torch.cuda.is_available()
         self.local = self._on_local_device(full[start:end].clone(), local_device)
         self._pending: comm.Handle | None = None
-        self._swap: tuple[Any, str] | None = None  # (SwapStore, file name) under offload_param nvme
+        self._swap: tuple[Any, str, Any] | None = None  # (SwapStore, file name, buffer pool) under offload_param nvme
         self._local_resident = True
         self._local_bytes = self.local.untyped_storage().nbytes()
+        self._buffer: torch.Tensor | None = None  # the swap-pool buffer holding the shard, if any
         self.on_local_changed: list[Callable[[], None]] = []
         """Called after ``local`` was overwritten outside training (e.g. to refresh fp32 masters)."""
         self._bind(full)
@@ -92,18 +93,36 @@ class FlatSegment:
         return self.layout.padded
 
     # ---- the shard in a swap file (offload_param: {device: nvme}) ----------------------------
-    def swap_out_to(self, store: Any, name: str) -> None:
-        """Keep the shard in ``store``'s file ``name`` from now on; memory holds it only while needed."""
+    def swap_out_to(self, store: Any, name: str, pool: Any = None) -> None:
+        """Keep the shard in ``store``'s file ``name`` from now on, in memory only while needed: in one of
+        ``pool``'s buffers (``offload_param.buffer_count`` x ``buffer_size``), or without a pool (zero.Init,
+        read back once by initialize) in its own storage."""
+        if pool is not None and self.local.numel() > pool.buffer_size:
+            raise ValueError(f"zero_optimization.offload_param.buffer_size is {pool.buffer_size} elements, smaller "
+                             f"than a unit's parameter shard ({self.local.numel()} elements); raise it to at least that")
         store.allocate(name, self.local.numel(), self.local.dtype)
         store.write(name, self.local).wait()
-        self._swap = (store, name)
+        self._swap = (store, name, pool)
         self._drop_local()
+
+    @property
+    def can_swap_in(self) -> bool:
+        """Whether the shard is in memory or a swap buffer is free for it (prefetch asks before gathering)."""
+        return self._local_resident or self._swap[2] is None or self._swap[2].free_count > 0
 
     def make_resident(self) -> torch.Tensor:
         """The shard in memory (read from its swap file if swapped out); it stays until ``store_local``."""
         if not self._local_resident:
-            self.local.untyped_storage().resize_(self._local_bytes)
-            store, name = self._swap
+            store, name, pool = self._swap
+            if pool is None:
+                self.local.untyped_storage().resize_(self._local_bytes)
+            else:
+                try:
+                    self._buffer = pool.acquire(self.layout.shard, self.local.dtype)
+                except RuntimeError as error:
+                    raise RuntimeError(f"{error} (zero_optimization.offload_param.buffer_count: the shards in use at "
+                                       "once, gathered and prefetched units included)") from error
+                self.local.set_(self._buffer)
             store.read(name, self.local).wait()
             self._local_resident = True
         return self.local
@@ -111,14 +130,22 @@ class FlatSegment:
     def store_local(self) -> None:
         """Write a resident shard back to its swap file and free its memory (no-op without swapping)."""
         if self._swap is not None and self._local_resident:
-            store, name = self._swap
+            store, name, _ = self._swap
             store.write(name, self.local).wait()
             self._drop_local()
 
     def _drop_local(self) -> None:
-        if self._swap is not None:
+        if self._swap is None or not self._local_resident:
+            return
+        pool = self._swap[2]
+        if pool is None:
             self.local.untyped_storage().resize_(0)
-            self._local_resident = False
+        else:  # the tensor object stays (empty until the next read), and the buffer goes back
+            self.local.set_(self.local.new_empty(0))
+            if self._buffer is not None:
+                pool.release(self._buffer)
+                self._buffer = None
+        self._local_resident = False
 
     def overwrite_local(self, values: torch.Tensor, notify: bool = True) -> None:
         """Replace this rank's shard (checkpoint load, masters rounded in, a modified parameter)."""
@@ -129,7 +156,7 @@ class FlatSegment:
     def write_local_range(self, lo: int, values: torch.Tensor) -> None:
         """Write ``values`` at ``[lo, lo + n)`` of the shard, in memory or straight into its swap file."""
         if self._swap is not None and not self._local_resident:
-            store, name = self._swap
+            store, name, _ = self._swap
             store.write(name, values.to(self.local.dtype).contiguous(), offset_numel=lo).wait()
         else:
             with torch.no_grad():
@@ -203,4 +230,4 @@ class FlatSegment:
 
     def local_bytes(self) -> int:
         """Bytes of the shard held in memory now (0 while it is in its swap file)."""
-        return self.local.untyped_storage().nbytes()
+        return self.local.numel() * self.local.element_size() if self._local_resident else 0

@@ -101,6 +101,11 @@ class ParamUnit:
         """Gathered or being gathered: its full buffers hold memory."""
         return any(segment.gathered or segment.in_flight for segment in self.segments)
 
+    @property
+    def can_swap_in(self) -> bool:
+        """Whether gathering now needs no swap buffer that is not free (offload_param: nvme)."""
+        return all(segment.can_swap_in for segment in self.segments if segment._swap is not None)
+
     def cast_(self, dtype: torch.dtype) -> None:
         for segment in self.segments:
             segment.cast_(dtype)
@@ -138,7 +143,7 @@ class ParamUnit:
             full = self.buffers.take(self.trainable.layout.padded, self.trainable.local, zero=True)
         if pre_factor != 1.0:
             full.div_(pre_factor)
-        out = self.buffers.take(self.trainable.local.numel(), self.trainable.local, zero=False)
+        out = self.buffers.take(self.trainable.layout.shard, self.trainable.local, zero=False)
         handle = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
         self._in_flight = (handle, out, full)
         self._grad_full = None
