@@ -47,9 +47,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dp_vs_ddp import MODEL  # noqa: E402
-from bench_zero12 import (Built, Summary, _build_ddp, _build_fsdp2, _build_zerotune, _mib,  # noqa: E402
-                          benchmark_parser, comm_columns, new_model, parse_and_run, print_details, print_table,
-                          summarize, time_and_state_columns, time_ratio)
+from bench_table import (Summary, _mib, comm_columns, print_details, print_table, summarize,  # noqa: E402
+                         time_and_state_columns, time_ratio)
+from bench_zero12 import (Built, _build_ddp, _build_fsdp2, _build_zerotune, benchmark_parser,  # noqa: E402
+                          new_model, parse_and_run)
 
 METHODS = ("ddp", "fsdp2_reshard", "fsdp2", "stage2", "stage3")
 DEFAULT_METHODS = ("ddp", "fsdp2_reshard", "stage3")
