@@ -16,9 +16,12 @@ from tests.models import engine_run, gpt2_batch, make_gpt2, make_mlp, mlp_batch,
 STEPS, GAS = 5, 2
 
 
-def _config(stage: int, precision: str, offload: dict) -> dict:
+ADAMW = {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}
+
+
+def _config(stage: int, precision: str, offload: dict, optimizer: dict = ADAMW) -> dict:
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": GAS, "gradient_clipping": 0.5,
-              "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.01}}, "steps_per_print": 1000,
+              "optimizer": optimizer, "steps_per_print": 1000,
               "zero_optimization": {"stage": stage, "reduce_bucket_size": 300, "allgather_bucket_size": 200,
                                     "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 2000,
                                     **offload}}
@@ -27,7 +30,7 @@ def _config(stage: int, precision: str, offload: dict) -> dict:
     return config
 
 
-def _train(model_name: str, stage: int, precision: str, offload: dict) -> dict:
+def _train(model_name: str, stage: int, precision: str, offload: dict, optimizer: dict = ADAMW) -> dict:
     world = torch.distributed.get_world_size()
     if model_name == "mlp":
         model, batch_fn = make_mlp(), mlp_batch
@@ -35,7 +38,8 @@ def _train(model_name: str, stage: int, precision: str, offload: dict) -> dict:
     else:
         model, batch_fn = make_gpt2(), gpt2_batch
         params = model.parameters()
-    engine, *_ = zerotune.initialize(model=model, model_parameters=params, config=_config(stage, precision, offload))
+    engine, *_ = zerotune.initialize(model=model, model_parameters=params,
+                                     config=_config(stage, precision, offload, optimizer))
     trace = engine_run(engine, batch_fn, steps=STEPS, gas=GAS, global_rows=2 * world)
     with zerotune.zero.GatheredParameters(list(model.parameters())):
         weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
@@ -45,9 +49,9 @@ def _train(model_name: str, stage: int, precision: str, offload: dict) -> dict:
             "staged_steps": engine.state.placement.staged_steps}
 
 
-def _compare(model_name: str, stage: int, precision: str, offload: dict) -> dict:
-    plain = _train(model_name, stage, precision, {})
-    offloaded = _train(model_name, stage, precision, offload)
+def _compare(model_name: str, stage: int, precision: str, offload: dict, optimizer: dict = ADAMW) -> dict:
+    plain = _train(model_name, stage, precision, {}, optimizer)
+    offloaded = _train(model_name, stage, precision, offload, optimizer)
     same_weights = all(torch.equal(plain["weights"][k], v) for k, v in offloaded["weights"].items())
     return {"plain": plain["trace"], "offloaded": offloaded["trace"], "same_weights": same_weights,
             "masters_on": offloaded["masters_on"], "separate": offloaded["separate"],
@@ -183,3 +187,11 @@ def _too_small_buffers(path: str) -> str:
 def test_swap_buffers_smaller_than_a_shard_are_a_clear_error(tmp_path) -> None:
     message = run_distributed(_too_small_buffers, 2, str(tmp_path))[0]
     assert "zero_optimization.offload_param.buffer_size is 10 elements" in message and "raise it" in message
+
+
+@pytest.mark.parametrize("optimizer", [{"type": "SGD", "params": {"lr": 0.05, "momentum": 0.9}},
+                                       {"type": "Adagrad", "params": {"lr": 0.05}}], ids=["SGD", "Adagrad"])
+def test_nvme_optimizer_offload_with_other_optimizers_reproduces_the_run_exactly(tmp_path, optimizer: dict) -> None:
+    result = run_distributed(_compare, 2, "mlp", 2, "fp32", _nvme(str(tmp_path)), optimizer, timeout=180)[0]
+    assert result["offloaded"].losses == result["plain"].losses
+    assert result["same_weights"]

@@ -53,6 +53,16 @@ class _Chunk:
         return self.hi - self.lo
 
 
+def _initial_state(optimizer: torch.optim.Optimizer, proxy: torch.nn.Parameter, key: str) -> torch.Tensor:
+    """A chunk's first value of state the optimizer made at construction (Adagrad's ``sum``)."""
+    if isinstance(optimizer, torch.optim.Adagrad) and key == "sum":
+        group = next(g for g in optimizer.param_groups if any(p is proxy for p in g["params"]))
+        return torch.full_like(proxy.data, group["initial_accumulator_value"])
+    raise ValueError(f"optimizer.type: {type(optimizer).__name__} creates its per-parameter state '{key}' when it is "
+                     "built, which zero_optimization.offload_optimizer.device nvme cannot split into chunks; use "
+                     "Adam, AdamW, SGD or Adagrad (they create theirs in the step), or device cpu")
+
+
 class NvmePlacement(MasterPlacement):
     """Masters and optimizer state in ``store``'s files, stepped chunk by chunk through ``pool``."""
 
@@ -170,6 +180,10 @@ class NvmePlacement(MasterPlacement):
         proxy.grad = grad
         state = optimizer.state[proxy]
         state.update({key: buffers[key] for key in self.state_keys if key in buffers})
+        if not chunk.has_state:  # state some optimizers create when built, on the then empty proxy
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != proxy.shape:
+                    state[key] = _initial_state(optimizer, proxy, key)
         optimizer.step()
         self.writers[chunk.master](chunk.lo, proxy.data)
 
