@@ -156,6 +156,7 @@ def run(args: argparse.Namespace) -> dict:
         what = "answer loss" if recipe.task == "causal-lm" else "accuracy"
         print(f"{what} on the held-out split: {summary['before']:.3f} before -> {summary['after']:.3f} after "
               f"{summary['steps']} steps ({summary['wall_seconds']:.0f} s); model and metrics in {output}")
+    comm.barrier()  # no rank leaves (and tears down its process group) while rank 0 is still writing
     engine.destroy()
     return summary
 
@@ -163,6 +164,8 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="zerotune.finetune.worker")).parse_args(argv)
     run(args)
+    if torch.distributed.is_initialized():  # before interpreter exit, while every peer is still connected
+        torch.distributed.destroy_process_group()
     return 0
 
 
