@@ -106,6 +106,11 @@ class FlatSegment:
         self._drop_local()
 
     @property
+    def swapped(self) -> bool:
+        """Whether the shard lives in a swap file (offload_param: nvme)."""
+        return self._swap is not None
+
+    @property
     def can_swap_in(self) -> bool:
         """Whether the shard is in memory or a swap buffer is free for it (prefetch asks before gathering)."""
         return self._local_resident or self._swap[2] is None or self._swap[2].free_count > 0

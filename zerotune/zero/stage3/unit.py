@@ -104,7 +104,7 @@ class ParamUnit:
     @property
     def can_swap_in(self) -> bool:
         """Whether gathering now needs no swap buffer that is not free (offload_param: nvme)."""
-        return all(segment.can_swap_in for segment in self.segments if segment._swap is not None)
+        return all(segment.can_swap_in for segment in self.segments if segment.swapped)
 
     def cast_(self, dtype: torch.dtype) -> None:
         for segment in self.segments:
