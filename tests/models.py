@@ -42,13 +42,23 @@ def mlp_batch(step: int, micro: int, rows: int) -> dict:
     return {"x": torch.randn(rows, 8, generator=generator), "y": torch.randn(rows, 4, generator=generator)}
 
 
-def make_gpt2(seed: int = 0):
+def make_gpt2(seed: int = 0, *, heads: int = 2, vocab: int = 96, positions: int = 32, width: int = 32):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(seed)
-    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=32, resid_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
+    config = GPT2Config(n_layer=2, n_embd=width, n_head=heads, vocab_size=vocab, n_positions=positions, resid_pdrop=0.0,
+                        bos_token_id=0, eos_token_id=0, embd_pdrop=0.0, attn_pdrop=0.0, tie_word_embeddings=True)
     return GPT2LMHeadModel(config)
+
+
+def make_llama(seed: int = 0, *, heads: int = 4, kv_heads: int = 2, positions: int = 64):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=heads,
+                         num_key_value_heads=kv_heads, vocab_size=96, max_position_embeddings=positions,
+                         tie_word_embeddings=False, attention_dropout=0.0)
+    return LlamaForCausalLM(config)
 
 
 def gpt2_batch(step: int, micro: int, rows: int, seq: int = 16) -> dict:
@@ -93,13 +103,18 @@ def reference_run(model: nn.Module, optimizer: torch.optim.Optimizer, batch_fn, 
 
 
 def engine_run(engine, batch_fn, *, steps: int, gas: int, global_rows: int) -> Trace:
-    """The same loop through a zerotune engine; losses averaged over the data-parallel ranks."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    """The same loop through a zerotune engine; losses averaged over the data-parallel ranks.
+
+    Each data-parallel rank takes its slice of the global batch; tensor- and sequence-parallel ranks
+    of one replica see the same rows (and report the same loss, so averaging over the world is the
+    average over dp)."""
+    world = dist.get_world_size()
+    dp_rank, dp_world = engine.mesh.rank("dp"), engine.mesh.size("dp")
     losses, norms = [], []
     for step in range(steps):
         total = torch.zeros(())
         for micro in range(gas):
-            loss = loss_of(engine, rank_slice(batch_fn(step, micro, global_rows), rank, world))
+            loss = loss_of(engine, rank_slice(batch_fn(step, micro, global_rows), dp_rank, dp_world))
             engine.backward(loss)
             engine.step()
             total += loss.detach().float()

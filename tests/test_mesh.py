@@ -1,7 +1,7 @@
 """ParallelDims arithmetic (pure) and ProcessMesh axes on 2 and 4 gloo ranks.
 
-Rank layout under test (DeepSpeed/Megatron): pipeline outermost, data, tensor innermost, so
-consecutive ranks share a tensor-parallel group.
+Rank layout under test (DeepSpeed/Megatron): pipeline outermost, data, sequence, tensor innermost,
+so consecutive ranks share a tensor-parallel group; ``dp_sp`` joins the data and sequence ranks.
 """
 
 from __future__ import annotations
@@ -16,16 +16,24 @@ from zerotune.distributed.mesh import AXES, ParallelDims, build_mesh
 
 def test_defaults_are_pure_data_parallel():
     dims = ParallelDims(dp=4)
-    assert (dims.pp, dims.dp, dims.tp) == (1, 4, 1)
+    assert (dims.pp, dims.dp, dims.sp, dims.tp) == (1, 4, 1, 1)
     assert dims.world_size == 4
-    assert dims.shape() == (1, 4, 1)
+    assert dims.shape() == (1, 4, 1, 1)
 
 
-def test_shape_follows_axis_order_pp_dp_tp():
-    assert AXES == ("pp", "dp", "tp")
-    dims = ParallelDims(dp=3, tp=2, pp=5)
-    assert dims.shape() == (5, 3, 2)
-    assert dims.world_size == 30
+def test_shape_follows_axis_order_pp_dp_sp_tp():
+    assert AXES == ("pp", "dp", "sp", "tp")
+    dims = ParallelDims(dp=3, tp=2, pp=5, sp=7)
+    assert dims.shape() == (5, 3, 7, 2)
+    assert dims.world_size == 210
+
+
+def test_from_world_with_sequence_parallel_leaves_the_rest_to_data_parallel():
+    dims = ParallelDims.from_world(8, tp=2, sp=2)
+    assert (dims.pp, dims.dp, dims.sp, dims.tp) == (1, 2, 2, 2)
+    with pytest.raises(ValueError, match="world size 6 is not divisible by tensor parallel 1 x pipeline parallel 1 "
+                                         "x sequence parallel 4"):
+        ParallelDims.from_world(6, sp=4)
 
 
 @pytest.mark.parametrize("world, tp, pp, dp", [(8, 1, 1, 8), (8, 2, 1, 4), (8, 2, 2, 2), (8, 8, 1, 1),
@@ -70,7 +78,7 @@ def test_dims_are_immutable():
 def _describe(mesh) -> dict:
     import torch.distributed as dist
     out = {}
-    for axis in AXES:
+    for axis in AXES + ("dp_sp",):
         group = mesh.group(axis)
         members = None if group is None else dist.get_process_group_ranks(group)
         out[axis] = (mesh.size(axis), mesh.rank(axis), members)
@@ -81,9 +89,16 @@ def _meshes_on_rank(layouts: list[dict]) -> list[dict]:
     return [_describe(build_mesh(ParallelDims(**dims), "cpu")) for dims in layouts]
 
 
+def _without_sp(described: dict) -> dict:
+    """The pp/dp/tp view of a mesh without sequence parallelism (and checks the sp axes are trivial)."""
+    assert described["sp"] == (1, 0, None)
+    assert described["dp_sp"] == described["dp"]
+    return {axis: described[axis] for axis in ("pp", "dp", "tp")}
+
+
 def test_mesh_on_two_ranks():
     layouts = [{"dp": 2}, {"dp": 1, "tp": 2}, {"dp": 1, "pp": 2}]
-    per_rank = run_distributed(_meshes_on_rank, 2, layouts)
+    per_rank = [[_without_sp(d) for d in meshes] for meshes in run_distributed(_meshes_on_rank, 2, layouts)]
     for rank, (dp_only, tp_only, pp_only) in enumerate(per_rank):
         assert dp_only == {"pp": (1, 0, None), "dp": (2, rank, [0, 1]), "tp": (1, 0, None)}
         # The data-parallel axis is always a real group, even of one rank.
@@ -93,7 +108,7 @@ def test_mesh_on_two_ranks():
 
 def test_mesh_on_four_ranks():
     layouts = [{"dp": 4}, {"dp": 2, "tp": 2}, {"dp": 2, "pp": 2}, {"dp": 1, "tp": 2, "pp": 2}]
-    per_rank = run_distributed(_meshes_on_rank, 4, layouts)
+    per_rank = [[_without_sp(d) for d in meshes] for meshes in run_distributed(_meshes_on_rank, 4, layouts)]
     for rank, (dp_only, dp_tp, pp_dp, pp_tp) in enumerate(per_rank):
         assert dp_only == {"pp": (1, 0, None), "dp": (4, rank, [0, 1, 2, 3]), "tp": (1, 0, None)}
         # tp innermost: {0,1} and {2,3} share tensor parallelism; dp groups are {0,2} and {1,3}.
@@ -104,6 +119,24 @@ def test_mesh_on_four_ranks():
                          "dp": (2, rank % 2, [rank - rank % 2, rank - rank % 2 + 1]), "tp": (1, 0, None)}
         assert pp_tp == {"pp": (2, rank // 2, [rank % 2, rank % 2 + 2]), "dp": (1, 0, [rank]),
                          "tp": (2, rank % 2, [rank - rank % 2, rank - rank % 2 + 1])}
+
+
+def test_sequence_axis_sits_between_data_and_tensor_and_dp_sp_joins_them():
+    layouts = [{"dp": 1, "sp": 2}, {"dp": 2, "sp": 2}, {"dp": 1, "sp": 2, "tp": 2}]
+    per_rank = run_distributed(_meshes_on_rank, 4, [{"dp": 2, "sp": 2}, {"dp": 1, "sp": 2, "tp": 2}])
+    for rank, (dp_sp, sp_tp) in enumerate(per_rank):
+        # dp 2 x sp 2: sp groups {0,1}, {2,3}; dp groups {0,2}, {1,3}; dp_sp = everyone, in dp-major order.
+        assert dp_sp["sp"] == (2, rank % 2, [rank - rank % 2, rank - rank % 2 + 1])
+        assert dp_sp["dp"] == (2, rank // 2, [rank % 2, rank % 2 + 2])
+        assert dp_sp["dp_sp"] == (4, rank, [0, 1, 2, 3])
+        # sp 2 x tp 2: tp groups {0,1}, {2,3}; sp groups {0,2}, {1,3}; dp_sp is the sp group.
+        assert sp_tp["tp"] == (2, rank % 2, [rank - rank % 2, rank - rank % 2 + 1])
+        assert sp_tp["sp"] == (2, rank // 2, [rank % 2, rank % 2 + 2])
+        assert sp_tp["dp_sp"] == sp_tp["sp"]
+        assert sp_tp["dp"] == (1, 0, [rank])
+    two = run_distributed(_meshes_on_rank, 2, layouts[:1])
+    for rank, (sp_only,) in enumerate(two):
+        assert sp_only["dp_sp"] == sp_only["sp"] == (2, rank, [0, 1])
 
 
 def _mismatched_world(dims: dict) -> str:

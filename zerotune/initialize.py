@@ -23,6 +23,10 @@ from zerotune.distributed.mesh import ParallelDims, ProcessMesh, build_mesh
 from zerotune.engine import Engine
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.activation_checkpointing import apply_activation_checkpointing
+from zerotune.parallel.sequence.ulysses_attention import install_ulysses_attention
+from zerotune.parallel.tensor.autotp import apply_autotp
+from zerotune.parallel.tensor.layout import tp_layout_of
+from zerotune.parallel.tensor.plans import rules_from_config
 from zerotune.parallel.activation_checkpointing import configure as configure_activation_checkpointing
 from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
@@ -119,12 +123,12 @@ def _trainable_in_model_order(model: torch.nn.Module, groups: list[dict]) -> lis
     return [p for p in model.parameters() if id(p) in chosen]
 
 
-def _broadcast_from_rank0(model: torch.nn.Module, mesh: ProcessMesh) -> None:
-    """Start every data-parallel replica from rank 0's weights and buffers.
+def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+    """Start every rank from rank 0's full weights and buffers (before tensor parallelism splits them).
 
     Parameters ``zero.Init`` partitioned were broadcast from rank 0 as they were built.
     """
-    group = mesh.group("dp")
+    group = torch.distributed.group.WORLD
     with torch.no_grad():
         for tensor in model.state_dict(keep_vars=True).values():
             if sharded_param_of(tensor) is None:
@@ -156,7 +160,7 @@ def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Paramete
     Masters are taken from the fp32 parameters before the cast, so they carry no rounding error.
     """
     zero = cfg.zero_optimization
-    group = mesh.group("dp")
+    group = mesh.group("dp_sp")  # the ranks holding the same parameters: gradients are averaged, ZeRO shards over them
     predivide = _predivide_factor(cfg, mesh)
     if zero.stage == 0:
         state = ReplicatedState(trainable, policy, grad_sync=None)
@@ -282,12 +286,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if model is None:
         raise ValueError("initialize() needs model=")
     if mpu is not None:
-        raise ConfigError("mpu", "a Megatron mpu is not supported yet (tensor parallelism lands in a later release)")
+        raise ConfigError("mpu", "a Megatron mpu object is not supported: zerotune builds its own mesh from "
+                                 "tensor_parallel.autotp_size and sequence_parallel_size")
     raw = load_config(_config_source(args, config, config_params))
     env = init_distributed(dist_init_required=dist_init_required)
-    mesh = build_mesh(ParallelDims.from_world(env.world_size), env.device.type)
+    mesh = build_mesh(_parallel_dims(raw, env.world_size), env.device.type)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=_auto_values(raw, model))
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
+    _check_model_parallel_composes(cfg, mesh)
     # The config is the source of truth for zerotune.checkpointing.checkpoint(...) calls and for blocks wrapped by
     # apply_activation_checkpointing(model) without an explicit policy (they read it at call time).
     configure_activation_checkpointing(deepspeed_config=cfg.activation_checkpointing)
@@ -299,7 +305,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     policy = policy_from_flags(fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled)
 
     model.to(env.device)
-    _broadcast_from_rank0(model, mesh)
+    _broadcast_from_rank0(model)
+    _split_model(model, cfg, mesh, rank=env.rank)
     groups = _param_groups(model, optimizer, model_parameters)
     trainable = _trainable_in_model_order(model, groups)
     omitted = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in {id(t) for t in trainable}]
@@ -307,6 +314,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         log_rank0("%d parameter(s) require grad but are in no optimizer group and will not be trained (e.g. %s); "
                   "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=env.rank)
     state = _build_state(cfg, groups, trainable, policy, mesh, model)
+    if mesh.size("tp") > 1:
+        state.count_replicated_once(mesh.group("tp"), lambda param: tp_layout_of(param) is None)
     torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
     if isinstance(torch_optimizer, Lamb) and not isinstance(state, ReplicatedState):
         raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stages 1-3 is not supported yet: its per-parameter "
@@ -325,15 +334,51 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                     loss_scaler=_loss_scaler(cfg), param_names={id(p): n for n, p in model.named_parameters()},
                     training_dataloader=_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu,
                                                     collate_fn, cfg.dataloader_drop_last))
-    log_rank0("zerotune engine: world %d (dp %d), ZeRO stage %d, %s, micro-batch %d x GAS %d = batch %d",
-              env.world_size, mesh.size("dp"), cfg.zero_optimization.stage, policy.name,
+    log_rank0("zerotune engine: world %d (dp %d x sp %d x tp %d), ZeRO stage %d, %s, micro-batch %d x GAS %d = batch %d",
+              env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage, policy.name,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
+def _parallel_dims(raw: Any, world_size: int) -> ParallelDims:
+    """The mesh's sizes from ``tensor_parallel.autotp_size`` and ``sequence_parallel_size``; dp takes the rest."""
+    sizes = {}
+    for key, value in (("tensor_parallel.autotp_size", raw.tensor_parallel.autotp_size),
+                       ("sequence_parallel_size", raw.sequence_parallel_size)):
+        if value == "auto":
+            raise ConfigError(key, '"auto" cannot be resolved: give the parallel size as a number')
+        sizes[key] = max(int(value), 1)
+    tp, sp = sizes["tensor_parallel.autotp_size"], sizes["sequence_parallel_size"]
+    try:
+        return ParallelDims.from_world(world_size, tp=tp, sp=sp)
+    except ValueError as error:
+        key = "tensor_parallel.autotp_size" if tp > 1 else "sequence_parallel_size"
+        raise ConfigError(key, f"{error}; launch a multiple of tp x sp = {tp * sp} ranks") from None
+
+
+def _check_model_parallel_composes(cfg: Any, mesh: ProcessMesh) -> None:
+    if mesh.size("tp") > 1 and cfg.zero_optimization.stage == 3:
+        raise NotSupportedYetError("zero_optimization.stage", f"3 with tensor_parallel.autotp_size {mesh.size('tp')} "
+                                   "is not supported yet: tensor parallelism composes with ZeRO stages 0, 1 and 2 "
+                                   "(as DeepSpeed's AutoTP training)")
+
+
+def _split_model(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, rank: int) -> None:
+    """Tensor parallelism (AutoTP) and Ulysses attention, applied in place before any state is built."""
+    if mesh.size("tp") > 1:
+        partition = cfg.tensor_parallel.partition_config
+        split = apply_autotp(model, mesh.group("tp"), layer_specs=rules_from_config(partition.layer_specs),
+                             use_default_specs=bool(partition.use_default_specs))
+        log_rank0("tensor parallelism: %d layer(s) split over %d ranks (%s, ...)", len(split), mesh.size("tp"),
+                  ", ".join(f"{layer.name}: {layer.kind}" for layer in split[:3]), rank=rank)
+    if mesh.size("sp") > 1:
+        install_ulysses_attention(model, mesh.group("sp"))
+        log_rank0("sequence parallelism: Ulysses attention over %d ranks", mesh.size("sp"), rank=rank)
+
+
 def _predivide_factor(cfg: Any, mesh: ProcessMesh) -> float:
     if cfg.prescale_gradients:
-        return float(mesh.size("dp"))
+        return float(mesh.size("dp_sp"))
     return float(cfg.gradient_predivide_factor)
 
 

@@ -1,10 +1,12 @@
 """Save and load everything a run needs to continue bit-identically.
 
 Layout of ``<save_dir>/<tag>/`` (written through ``checkpoint.atomic``):
-* ``model_states.pt``   (rank 0) module state dict by parameter name, counters, loss scaler,
+* ``model_states.pt``   (rank 0) module state dict by parameter name (tensor-parallel shards joined
+                        into full tensors, so it loads at any tp size), counters, loss scaler,
                         LR scheduler, client state, the config and the layout it was saved on;
 * ``optim_states.pt``   (rank 0, ZeRO stage 0) optimizer state and fp32 master weights keyed by
                         parameter *name* (not by position), so a reader can match them to any layout;
+                        with tensor parallelism one ``optim_states_tp_rank{t}.pt`` per tp rank;
 * ``optim_states_rank{r}.pt`` (every rank, ZeRO stages 1-2) that rank's optimizer shard, with
                         the parameter ranges it holds: per group, the (name, numel, offset) of
                         every parameter in the flat layout and the rank's [start, end) slice;
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -27,6 +29,7 @@ from zerotune.checkpoint.atomic import (CheckpointError, partial_dir, prepare_pa
                                         resolve_tag, write_file_atomically)
 from zerotune.distributed import comm
 from zerotune.monitor.logging import get_logger
+from zerotune.parallel.tensor.state_dict import iter_full_tensors, shard_state_dict
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 
 if TYPE_CHECKING:
@@ -34,6 +37,11 @@ if TYPE_CHECKING:
 
 MODEL_FILE = "model_states.pt"
 OPTIM_FILE = "optim_states.pt"
+
+
+def optim_file(engine: Engine) -> str:
+    """Stage 0: one optimizer file, or one per tensor-parallel rank (each holds different shards)."""
+    return OPTIM_FILE if engine.mesh.size("tp") == 1 else f"optim_states_tp_rank{engine.mesh.rank('tp')}.pt"
 
 
 def rng_file(rank: int) -> str:
@@ -131,9 +139,11 @@ def _sharded_optimizer_state(engine: Engine) -> dict:
 
 
 def _module_state(engine: Engine) -> dict:
-    """The module's state dict without partitioned parameters (their shards are saved per rank)."""
-    return {key: value.detach() for key, value in engine.module.state_dict(keep_vars=True).items()
-            if sharded_param_of(value) is None}
+    """The module's state dict without ZeRO-3-partitioned parameters (their shards are saved per rank);
+    tensor-parallel shards joined into full tensors (a collective over the tp group)."""
+    items = [(key, value) for key, value in engine.module.state_dict(keep_vars=True).items()
+             if sharded_param_of(value) is None]
+    return dict(iter_full_tensors(items, engine.mesh.group("tp")))
 
 
 def _param_shards(engine: Engine) -> dict:
@@ -179,19 +189,22 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
         prepare_partial_dir(save_dir, tag)
     comm.barrier()
     staging = partial_dir(save_dir, tag)
+    first_replica = engine.mesh.rank("dp_sp") == 0  # the tp ranks that hold rank 0's model replica
+    module_state = _module_state(engine) if first_replica else None
     if engine.global_rank == 0:
         write_file_atomically({
-            "module": _module_state(engine),
+            "module": module_state,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
             "loss_scaler": engine.loss_scaler.state_dict(),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "client_state": client_state, "config": engine.config,
             "layout": {"dp_world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
-                       "precision": engine.policy.name},
+                       "precision": engine.policy.name, "tp_size": engine.mesh.size("tp"),
+                       "sp_size": engine.mesh.size("sp")},
         }, staging / MODEL_FILE)
-        if not engine.sharded and engine.optimizer is not None:
-            write_file_atomically(_optimizer_state_by_name(engine), staging / OPTIM_FILE)
+    if first_replica and not engine.sharded and engine.optimizer is not None:
+        write_file_atomically(_optimizer_state_by_name(engine), staging / optim_file(engine))
     if engine.sharded and engine.optimizer is not None:
         write_file_atomically(_sharded_optimizer_state(engine), staging / optim_shard_file(engine.global_rank))
         if not engine.state.placement.resident:
@@ -216,7 +229,7 @@ def _load_module(engine: Engine, saved: dict, directory: Path, strict: bool) -> 
                               f"stage-3 run can be exported with save_16bit_model)")
     if units is None:
         try:
-            engine.module.load_state_dict(saved["module"], strict=strict)
+            engine.module.load_state_dict(shard_state_dict(engine.module, saved["module"]), strict=strict)
         except RuntimeError as error:
             raise CheckpointError(f"{directory / MODEL_FILE} does not fit this model: {error}") from error
         return
@@ -250,6 +263,11 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
         if (saved_stage == 0) != (stage == 0):
             raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading its optimizer state at "
                                   f"stage {stage} is not supported yet (load_module_only=True loads the weights)")
+        saved_tp = saved["layout"].get("tp_size", 1)
+        if saved_tp != engine.mesh.size("tp"):
+            raise CheckpointError(f"{directory} holds optimizer state for tensor-parallel size {saved_tp}; loading it "
+                                  f"at size {engine.mesh.size('tp')} is not supported yet (load_module_only=True "
+                                  "loads the weights, which are saved whole)")
         saved_dp = saved["layout"]["dp_world_size"]
         if engine.sharded and saved_dp != engine.dp_world_size:
             raise CheckpointError(f"{directory} holds ZeRO optimizer shards for {saved_dp} data-parallel ranks; "
@@ -259,8 +277,8 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
             path = directory / optim_shard_file(engine.global_rank)
             _load_sharded_optimizer_state(engine, read_file(path, "optimizer shard"), path)
         else:
-            _load_optimizer_state_by_name(engine, read_file(directory / OPTIM_FILE, "optimizer states"),
-                                          directory / OPTIM_FILE)
+            _load_optimizer_state_by_name(engine, read_file(directory / optim_file(engine), "optimizer states"),
+                                          directory / optim_file(engine))
     if load_lr_scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     engine.loss_scaler.load_state_dict(saved["loss_scaler"])

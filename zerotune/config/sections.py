@@ -119,15 +119,53 @@ class PipelineConfig(Section):
         raise ValueError("expected 'parameters', 'uniform', 'best' or 'type:REGEX'")
 
 
+class TensorParallelLayerSpec(Section):
+    """One rule of ``tensor_parallel.partition_config.layer_specs``: how matching layers are split."""
+
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"shape"})
+
+    patterns: list[Str]
+    """Regular expressions matched (in full) against parameter names, e.g. ``.*\\.q_proj\\.weight$``."""
+    partition_type: Literal["column", "row", "skip"]
+    """column: split the output features; row: split the input features; skip: leave replicated."""
+    parts: AutoPosInt = 1
+    """(zerotune) fused sub-blocks along the output features split separately, e.g. 3 for a fused q|k|v."""
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, value: list[str]) -> list[str]:
+        import re
+
+        if not value:
+            raise ValueError("needs at least one pattern")
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as error:
+                raise ValueError(f"pattern {pattern!r} is not a valid regular expression ({error})") from None
+        return value
+
+
+class TensorParallelPartitionConfig(Section):
+    """``tensor_parallel.partition_config``: user layer rules, before (or instead of) the built-in plans."""
+
+    use_default_specs: AutoBool = True
+    """Also apply the built-in plan of the model's architecture to layers no user rule matched."""
+    layer_specs: list[TensorParallelLayerSpec] = Field(default_factory=list)
+    """Rules tried in order; the first whose pattern matches a layer's weight name decides."""
+
+
 class TensorParallelConfig(Section):
     """``tensor_parallel``: automatic tensor parallelism for training (DeepSpeed AutoTP)."""
 
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
-        {"tp", "tp_overlap_comm", "dtype", "injection_policy_tuple", "keep_module_on_host", "partition_config"}
+        {"tp", "tp_overlap_comm", "dtype", "injection_policy_tuple", "keep_module_on_host"}
     )
 
     autotp_size: AutoNonNegInt = 0
     """Tensor-parallel degree; 0 or 1 disables tensor parallelism."""
+    partition_config: TensorParallelPartitionConfig = Field(default_factory=TensorParallelPartitionConfig)
+    """Which layers are split and how (default: the built-in plan of GPT-2, Llama, Mistral, Qwen2 or BERT)."""
 
 
 class MonitorConfig(Section):

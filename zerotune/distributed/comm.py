@@ -7,7 +7,7 @@ Two reasons to route everything here:
   with ``reset_comm_stats()``). Volume follows the ZeRO paper's convention, in bytes of the
   full logical tensor: an all-reduce of S bytes counts 2S (it is a reduce-scatter plus an
   all-gather), a reduce-scatter counts its full input S, an all-gather its full output S, a
-  reduce or broadcast its tensor S. Data parallel then moves 2 x model bytes per step, as do
+  reduce or broadcast its tensor S, an all-to-all its input S (what each rank sends). Data parallel then moves 2 x model bytes per step, as do
   ZeRO stages 1 and 2 (reduce-scatter + all-gather), and stage 3 moves 3x;
 * failure reporting -- a collective that fails or times out (a dead or diverging rank) is
   re-raised as ``CommError`` naming the op, this rank and the group size, instead of a bare
@@ -178,6 +178,17 @@ def reduce(tensor: torch.Tensor, dst_rank_in_group: int, group: dist.ProcessGrou
     return _run("reduce", group, _nbytes(tensor),
                 lambda: dist.reduce(tensor, group_dst=dst_rank_in_group, op=op, group=group, async_op=async_op),
                 async_op)
+
+
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
+                      async_op: bool = False) -> Handle:
+    """Split ``input`` into group-size equal chunks along dim 0; chunk r goes to rank r, and what
+    rank r sent lands in ``output``'s chunk r. Counted as the input's bytes (what each rank sends)."""
+    if group is None:
+        output.copy_(input)
+        return Handle("all_to_all", None, None)
+    return _run("all_to_all", group, _nbytes(input),
+                lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
 
 
 def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:

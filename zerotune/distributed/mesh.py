@@ -2,7 +2,13 @@
 
 ``ParallelDims`` is pure arithmetic (testable without processes); ``build_mesh`` turns it into a
 ``torch.distributed.DeviceMesh`` with named axes in DeepSpeed's/Megatron's rank layout:
-pipeline outermost, then data, tensor innermost (consecutive ranks share a tensor-parallel group).
+pipeline outermost, then data, then sequence, tensor innermost (consecutive ranks share a
+tensor-parallel group; Megatron orders its context-parallel axis the same way).
+
+One derived axis, ``dp_sp``: the data and sequence ranks together. They hold the same
+parameters (sequence parallelism splits tokens, not weights), so gradients are averaged and
+ZeRO partitions over ``dp_sp`` -- as DeepSpeed's "sequence data parallel" group -- while batch
+arithmetic and data loading use ``dp`` alone (the sp ranks of one group read the same samples).
 
 Components receive the mesh (or one axis of it) explicitly; nothing keeps process groups in
 module globals.
@@ -15,16 +21,18 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-AXES = ("pp", "dp", "tp")
+AXES = ("pp", "dp", "sp", "tp")
+DERIVED_AXES = ("dp_sp",)
 
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """Sizes of the pipeline, data and tensor axes; their product is the world size."""
+    """Sizes of the pipeline, data, sequence and tensor axes; their product is the world size."""
 
     dp: int
     tp: int = 1
     pp: int = 1
+    sp: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -33,20 +41,21 @@ class ParallelDims:
                 raise ValueError(f"parallel size {axis}={size!r} must be a positive integer")
 
     @classmethod
-    def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1) -> ParallelDims:
-        """Data-parallel size is whatever the model-parallel axes leave over."""
-        for axis, size in (("tp", tp), ("pp", pp)):
+    def from_world(cls, world_size: int, *, tp: int = 1, pp: int = 1, sp: int = 1) -> ParallelDims:
+        """Data-parallel size is whatever the model-parallel and sequence axes leave over."""
+        for axis, size in (("tp", tp), ("pp", pp), ("sp", sp)):
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"parallel size {axis}={size!r} must be a positive integer")
-        if world_size % (tp * pp):
+        if world_size % (tp * pp * sp):
             raise ValueError(
-                f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp}"
+                f"world size {world_size} is not divisible by tensor parallel {tp} x pipeline parallel {pp} "
+                f"x sequence parallel {sp}"
             )
-        return cls(dp=world_size // (tp * pp), tp=tp, pp=pp)
+        return cls(dp=world_size // (tp * pp * sp), tp=tp, pp=pp, sp=sp)
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.sp * self.tp
 
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, axis) for axis in AXES)
@@ -63,8 +72,9 @@ class ProcessMesh:
 
     def __init__(self, dims: ParallelDims, device_type: str) -> None:
         if dims.world_size != dist.get_world_size():
+            sp = f" x sp={dims.sp}" if dims.sp > 1 else ""
             raise ValueError(
-                f"parallel sizes pp={dims.pp} x dp={dims.dp} x tp={dims.tp} = {dims.world_size} "
+                f"parallel sizes pp={dims.pp} x dp={dims.dp}{sp} x tp={dims.tp} = {dims.world_size} "
                 f"do not match the world size {dist.get_world_size()}"
             )
         self.dims = dims
@@ -72,24 +82,33 @@ class ProcessMesh:
         shape = tuple(getattr(dims, axis) for axis in names)
         self.device_mesh: DeviceMesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
         self._names = names
+        self._dp_sp_mesh = self.device_mesh["dp", "sp"]._flatten("dp_sp") if dims.sp > 1 and dims.dp > 1 else None
 
     @staticmethod
     def _check_axis(axis: str) -> None:
-        if axis not in AXES:
-            raise ValueError(f"unknown parallel axis {axis!r}; valid axes: {', '.join(AXES)}")
+        if axis not in AXES + DERIVED_AXES:
+            raise ValueError(f"unknown parallel axis {axis!r}; valid axes: {', '.join(AXES + DERIVED_AXES)}")
 
     def size(self, axis: str) -> int:
         self._check_axis(axis)
+        if axis == "dp_sp":
+            return self.dims.dp * self.dims.sp
         return getattr(self.dims, axis)
 
     def rank(self, axis: str) -> int:
         self._check_axis(axis)
+        if axis == "dp_sp":
+            return self.rank("dp") * self.dims.sp + self.rank("sp")
         if axis not in self._names:
             return 0
         return self.device_mesh.get_local_rank(axis)
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         self._check_axis(axis)
+        if axis == "dp_sp":
+            if self._dp_sp_mesh is not None:
+                return self._dp_sp_mesh.get_group()
+            return self.group("sp" if self.dims.sp > 1 else "dp")
         if axis not in self._names:
             return None
         return self.device_mesh.get_group(axis)

@@ -18,9 +18,8 @@ import difflib
 import json
 import math
 import pathlib
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import datasets
 import yaml

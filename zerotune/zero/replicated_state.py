@@ -7,13 +7,15 @@ and identical on all ranks), so the global norm needs no communication.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
+import torch.distributed as dist
 
 from zerotune.precision.policy import MasterWeights, PrecisionPolicy
 from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.allreduce_sync import AllReduceGradSync
+from zerotune.zero.grad_norm import global_grad_norm
 
 
 class ReplicatedState:
@@ -27,6 +29,8 @@ class ReplicatedState:
         self.separate = policy.mixed
         self.placement = MasterPlacement()  # stage 0 keeps masters with the parameters
         self.grad_sync = grad_sync
+        self._tp_group: dist.ProcessGroup | None = None
+        self._norm_skip: list[list[tuple[int, int]]] | None = None
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -46,7 +50,16 @@ class ReplicatedState:
         return [self.grad_sync.grad_of(p) for p in self.params]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        if self._tp_group is not None:
+            return global_grad_norm(grads, tp_group=self._tp_group, skip=self._norm_skip)
         return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
+
+    def count_replicated_once(self, tp_group: dist.ProcessGroup, is_replicated: Callable[[torch.nn.Parameter], bool]
+                              ) -> None:
+        """Tensor parallelism: the norm sums over ``tp_group``; tp-replicated parameters count on tp rank 0 only."""
+        self._tp_group = tp_group
+        if dist.get_rank(tp_group) != 0:
+            self._norm_skip = [[(0, p.numel())] if is_replicated(p) else [] for p in self.params]
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self.placement.attach(self.masters, grads, coefficient)

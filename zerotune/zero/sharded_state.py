@@ -16,8 +16,7 @@ In fp32 the master shard is a view of the model's flat parameters: no second cop
 
 from __future__ import annotations
 
-import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from zerotune.distributed import comm
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.flat_params import FlatParamGroup
+from zerotune.zero.grad_norm import global_grad_norm
 from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.partition import FlatLayout, flat_layout
 
@@ -38,17 +38,6 @@ def _own_fp32_slice(params: Sequence[torch.nn.Parameter], layout: FlatLayout, ra
         source = params[piece.param].detach().reshape(-1)[piece.param_offset:piece.param_offset + piece.length]
         shard[piece.flat_offset - start:piece.flat_offset - start + piece.length] = source.float()
     return shard
-
-
-def sharded_grad_norm(grads: Sequence[torch.Tensor], group: dist.ProcessGroup | None) -> float:
-    """Global L2 norm from every rank's gradient slices: one all-reduce of the summed squares."""
-    device = grads[0].device if grads else torch.device("cpu")
-    squares = torch.zeros((), dtype=torch.float64, device=device)
-    if grads:  # per-slice norms in fp32 (cascaded sums: accurate), squared and summed in fp64; one slice at a
-        # time, so gradients still in bf16 (NVMe offload) are converted one slice at a time
-        squares += torch.stack([torch._foreach_norm([g.float()])[0] for g in grads]).double().pow(2).sum()
-    comm.all_reduce(squares, group)
-    return math.sqrt(squares.item()) if math.isfinite(squares.item()) else float("inf")
 
 
 def _range_writer(shard: torch.Tensor):
@@ -85,6 +74,8 @@ class ShardedState:
         if self.separate:
             self.placement.adopt(self.masters, [_range_writer(fg.owned) for fg in self.flat_groups])
         self.grad_sync = None
+        self._tp_group: dist.ProcessGroup | None = None
+        self._norm_skip: list[list[tuple[int, int]]] | None = None
 
     def stage_grads_during_backward(self) -> None:
         """Host offload at stage 2: copy each gradient part to the host as soon as its bucket is reduced."""
@@ -114,7 +105,19 @@ class ShardedState:
         return [self.grad_sync.shard_grad(g).float() for g in range(len(self.flat_groups))]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        return sharded_grad_norm(grads, self.group)
+        return global_grad_norm(grads, shard_group=self.group, tp_group=self._tp_group, skip=self._norm_skip)
+
+    def count_replicated_once(self, tp_group: dist.ProcessGroup, is_replicated: Callable[[torch.nn.Parameter], bool]
+                              ) -> None:
+        """Tensor parallelism: the norm sums over ``tp_group``; tp-replicated parameters count on tp rank 0 only."""
+        self._tp_group = tp_group
+        if dist.get_rank(tp_group) == 0:
+            return
+        self._norm_skip = []
+        for fg in self.flat_groups:
+            start, end = fg.layout.owned_range(fg.rank)
+            self._norm_skip.append([(piece.flat_offset - start, piece.flat_offset - start + piece.length)
+                                    for piece in fg.layout.pieces_in(start, end) if is_replicated(fg.params[piece.param])])
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self.placement.attach(self.masters, grads, coefficient)

@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
+from zerotune.parallel.tensor.state_dict import full_shape, gather_full_tensor
 from zerotune.zero.stage3.gathered import GatheredParameters
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 from zerotune.zero.stage3.unit import ParamUnit
@@ -35,10 +37,11 @@ def _state_entries(module: torch.nn.Module, exclude_frozen: bool) -> dict[str, t
     return entries
 
 
-def iter_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], *,
-                      exclude_frozen: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], *, exclude_frozen: bool = False,
+                      tp_group: dist.ProcessGroup | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, whole tensor)`` for every state-dict entry, gathered one unit at a time (a collective:
-    call on every rank). The tensors are views valid only until the next item is requested."""
+    call on every rank). The tensors are views valid only until the next item is requested.
+    Tensor-parallel shards are joined over ``tp_group``."""
     entries = _state_entries(module, exclude_frozen)
     keys_of: dict[int, list[str]] = {}
     for key, tensor in entries.items():
@@ -52,7 +55,7 @@ def iter_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], *,
                     yield key, param.detach()
     for key, tensor in entries.items():  # buffers and anything not partitioned
         if key not in done and sharded_param_of(tensor) is None:
-            yield key, tensor.detach()
+            yield key, gather_full_tensor(tensor, tp_group)
 
 
 def _header(entries: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, tuple[int, int]]]:
@@ -60,8 +63,9 @@ def _header(entries: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, tuple[in
     for key, tensor in entries.items():
         if tensor.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"cannot write {key} ({tensor.dtype}) to safetensors")
-        size = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+        shape = full_shape(tensor)  # a tensor-parallel shard is written whole
+        size = shape.numel() * tensor.element_size()
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(shape),
                        "data_offsets": [offset, offset + size]}
         ranges[key] = (offset, offset + size)
         offset += size
@@ -72,7 +76,7 @@ def _header(entries: dict[str, torch.Tensor]) -> tuple[bytes, dict[str, tuple[in
 
 
 def save_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], path: str | os.PathLike, *,
-                      rank: int, exclude_frozen: bool = False) -> None:
+                      rank: int, exclude_frozen: bool = False, tp_group: dist.ProcessGroup | None = None) -> None:
     """Write the whole state dict to ``path`` from rank 0 (every rank must call: units are gathered)."""
     path = Path(path)
     temporary = path.with_name(f".{path.name}.partial")
@@ -88,7 +92,7 @@ def save_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], path:
             handle.write(prefix)
             data_start = len(prefix)
     try:
-        for key, tensor in iter_consolidated(module, units, exclude_frozen=exclude_frozen):
+        for key, tensor in iter_consolidated(module, units, exclude_frozen=exclude_frozen, tp_group=tp_group):
             if rank != 0:
                 continue
             if streaming:

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from zerotune.distributed import comm
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.master_placement import MasterPlacement
-from zerotune.zero.sharded_state import sharded_grad_norm
+from zerotune.zero.grad_norm import global_grad_norm
 from zerotune.zero.stage3.schedule import UnitScheduler
 from zerotune.zero.stage3.unit import ParamUnit
 
@@ -135,7 +135,7 @@ class Stage3State:
                 else master.new_zeros(0) for (_, unit, lo, hi), master in zip(self._slots, self.masters)]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        return sharded_grad_norm(grads, self.group)
+        return global_grad_norm(grads, shard_group=self.group)
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self.placement.attach(self.masters, grads, coefficient)

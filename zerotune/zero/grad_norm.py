@@ -1,0 +1,59 @@
+"""The global gradient norm, from whatever part of the gradients this rank holds.
+
+One function for every layout, so clipping and the fp16 overflow check agree on all ranks:
+
+* ZeRO 1-3 hold disjoint slices over the data-parallel (``dp_sp``) ranks: their squares are
+  summed over that group;
+* tensor parallelism splits some parameters over the tp ranks and replicates the rest
+  (norm weights, row-parallel biases). Sharded parts are summed over the tp group; replicated
+  ones hold the same values on every tp rank, so only tp rank 0 counts them -- otherwise the
+  norm would be the tensor-parallel size times too large in those parameters (Megatron does the
+  same). ``skip`` gives, per gradient tensor, the flat ranges this rank leaves out.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from zerotune.distributed import comm
+
+Ranges = Sequence[tuple[int, int]]
+
+
+def _counted_parts(grad: torch.Tensor, skip: Ranges) -> list[torch.Tensor]:
+    """``grad`` (flattened) without the ``skip`` ranges (sorted, possibly past the end)."""
+    flat = grad.reshape(-1)
+    parts, position = [], 0
+    for lo, hi in sorted(skip):
+        lo, hi = min(lo, flat.numel()), min(hi, flat.numel())
+        if lo > position:
+            parts.append(flat[position:lo])
+        position = max(position, hi)
+    if position < flat.numel():
+        parts.append(flat[position:])
+    return parts
+
+
+def global_grad_norm(grads: Sequence[torch.Tensor], *, shard_group: dist.ProcessGroup | None = None,
+                     tp_group: dist.ProcessGroup | None = None,
+                     skip: Sequence[Ranges] | None = None) -> float:
+    """L2 norm of the whole model's gradient; ``inf`` when any part is not finite.
+
+    Per-part norms in fp32 (cascaded sums: accurate), squared and summed in fp64; one part at a
+    time, so gradients still in bf16 (NVMe offload) are converted one part at a time.
+    """
+    parts = list(grads) if skip is None else [p for g, s in zip(grads, skip) for p in _counted_parts(g, s)]
+    device = grads[0].device if grads else torch.device("cpu")
+    squares = torch.zeros((), dtype=torch.float64, device=device)
+    parts = [p for p in parts if p.numel()]
+    if parts:
+        squares += torch.stack([torch._foreach_norm([p.float()])[0] for p in parts]).double().pow(2).sum()
+    comm.all_reduce(squares, shard_group)
+    comm.all_reduce(squares, tp_group)
+    total = squares.item()
+    return math.sqrt(total) if math.isfinite(total) else float("inf")
+
