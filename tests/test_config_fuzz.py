@@ -86,8 +86,9 @@ def test_unknown_key_at_any_depth(section, key, value):
 
 
 def _bad_value(annotation):
+    is_list = typing.get_origin(annotation) is list  # an empty list is a good value for a list of sections
     junk = st.one_of(
-        st.lists(st.integers(), max_size=3),
+        st.lists(st.integers(), min_size=1 if is_list else 0, max_size=3),
         st.dictionaries(st.text(max_size=4), st.integers(), min_size=1, max_size=2),
     )
     if _accepts_strings(annotation):

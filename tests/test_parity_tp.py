@@ -14,40 +14,80 @@ import torch
 
 import zerotune
 from tests.harness import run_distributed
-from tests.models import assert_close_traces, engine_run, gpt2_batch, make_gpt2, make_llama, reference_run
+from tests.models import assert_close_traces, engine_run, gpt2_batch, make_gpt2, make_llama, mlp_batch, reference_run
 
 STEPS, GAS, CLIP, ROWS = 8, 2, 0.5, 4
 
 
-def _config(stage: int, tp: int, dp: int) -> dict:
+def _config(stage: int, tp: int, dp: int, kind: str = "gpt2") -> dict:
+    tensor_parallel = {"autotp_size": tp, **({"partition_config": USER_PLAN} if kind == "mlp" else {})}
     return {"train_micro_batch_size_per_gpu": ROWS // dp, "gradient_accumulation_steps": GAS,
             "gradient_clipping": CLIP, "zero_optimization": {"stage": stage},
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-            "tensor_parallel": {"autotp_size": tp}}
+            "tensor_parallel": tensor_parallel}
+
+
+class PlanMLP(torch.nn.Module):
+    """A model no built-in plan knows: split by the user's partition_config rules."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = torch.nn.Linear(8, 32)
+        self.down = torch.nn.Linear(32, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.down(torch.nn.functional.gelu(self.up(x))), y)
+
+
+USER_PLAN = {"layer_specs": [{"patterns": [r"up\.weight"], "partition_type": "column"},
+                             {"patterns": [r"down\.weight"], "partition_type": "row"}]}
+
+
+def _make_bert():
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    return BertForMaskedLM(BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
+def _make_qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=False))
 
 
 def _make(kind: str):
-    return make_gpt2() if kind == "gpt2" else make_llama()
+    return {"gpt2": make_gpt2, "llama": make_llama, "bert": _make_bert, "qwen2": _make_qwen2, "mlp": PlanMLP}[kind]()
+
+
+def _batch_fn(kind: str):
+    return mlp_batch if kind == "mlp" else gpt2_batch
 
 
 def _reference(kind: str):
     model = _make(kind)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    return reference_run(model, optimizer, gpt2_batch, steps=STEPS, gas=GAS, global_rows=ROWS, clip=CLIP), model
+    return reference_run(model, optimizer, _batch_fn(kind), steps=STEPS, gas=GAS, global_rows=ROWS, clip=CLIP), model
 
 
 def _tp_run(kind: str, stage: int, tp: int, export_dir: str | None = None):
     world = torch.distributed.get_world_size()
-    engine, *_ = zerotune.initialize(model=_make(kind), config=_config(stage, tp, world // tp))
+    engine, *_ = zerotune.initialize(model=_make(kind), config=_config(stage, tp, world // tp, kind))
     if export_dir is not None:
         engine.save_16bit_model(export_dir, "initial.safetensors")
-    trace = engine_run(engine, gpt2_batch, steps=STEPS, gas=GAS, global_rows=ROWS)
+    trace = engine_run(engine, _batch_fn(kind), steps=STEPS, gas=GAS, global_rows=ROWS)
     if export_dir is not None:
         engine.save_16bit_model(export_dir, "model.safetensors")
     return trace
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "qwen2", "bert", "mlp"])
 def test_tp2_matches_single_process(kind, tmp_path):
     expected, reference_model = _reference(kind)
     traces = run_distributed(_tp_run, 2, kind, 0, 2, str(tmp_path), timeout=180)
@@ -120,7 +160,7 @@ def _initialize_error(model_kind: str, config: dict) -> str:
     ("gpt2", {"zero_optimization": {"stage": 3}}, "zero_optimization.stage: 3 with tensor_parallel.autotp_size 2"),
     ("gpt2", {"tensor_parallel": {"autotp_size": 4}}, "world size 2 is not divisible by tensor parallel 4"),
     ("mlp", {"tensor_parallel": {"autotp_size": 2, "partition_config": {
-        "layer_specs": [{"patterns": [r"0\.weight"], "partition_type": "row"}]}}}, "no error"),
+        "layer_specs": [{"patterns": [r"nothing\.weight"], "partition_type": "row"}]}}}, "no layer of Sequential matched"),
 ])
 def test_bad_tensor_parallel_setups_are_refused_with_the_numbers(model_kind, config_change, expected):
     config = {**_config(0, 2, 1), **config_change}

@@ -25,7 +25,7 @@ from .files import read_config_file
 from .pydantic_errors import show_value, translate
 from .schema import ZeroTuneConfig
 from .section import Section
-from .tree import is_free_dict, iter_leaves, join, path_in, section_class
+from .tree import is_free_dict, iter_leaves, join, list_item_section, path_in, section_class
 from .types import AUTO
 
 
@@ -98,6 +98,9 @@ def _normalize_value(value: Any, annotation: Any, path: str) -> Any:
     sub = section_class(annotation)
     if sub is not None and isinstance(value, Mapping):
         return normalize_keys(value, sub, path)
+    item = list_item_section(annotation)
+    if item is not None and isinstance(value, list):
+        return [normalize_keys(v, item, join(path, str(i))) if isinstance(v, Mapping) else v for i, v in enumerate(value)]
     if is_free_dict(annotation) and isinstance(value, Mapping):
         bad = next((k for k in value if not isinstance(k, str)), None)
         if bad is not None:

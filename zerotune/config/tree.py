@@ -20,13 +20,25 @@ NO_DEFAULT = object()
 
 
 def section_class(annotation: Any) -> type[Section] | None:
-    """The Section subclass inside a field annotation (``X``, ``Optional[X]``), if any."""
+    """The Section subclass inside a field annotation (``X``, ``Optional[X]``), if any; lists of
+    sections are not nested sections (see ``list_item_section``)."""
     if isinstance(annotation, type) and issubclass(annotation, Section):
         return annotation
+    if typing.get_origin(annotation) is list:
+        return None
     for arg in typing.get_args(annotation):
         found = section_class(arg)
         if found is not None:
             return found
+    return None
+
+
+def list_item_section(annotation: Any) -> type[Section] | None:
+    """For ``list[X]`` with X a Section: X (each item is a section of its own, e.g. layer_specs)."""
+    if typing.get_origin(annotation) is list:
+        args = typing.get_args(annotation)
+        if args and isinstance(args[0], type) and issubclass(args[0], Section):
+            return args[0]
     return None
 
 
