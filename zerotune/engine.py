@@ -24,6 +24,7 @@ from zerotune.checkpoint.engine_state import load_engine_checkpoint, save_engine
 from zerotune.distributed import comm
 from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
+from zerotune.distributed.mpu import ModelParallelUnit
 from zerotune.monitor.logging import log_rank0
 from zerotune.monitor.step_report import StepReporter
 from zerotune.monitor.timers import WallClockTimers
@@ -115,6 +116,11 @@ class Engine(torch.nn.Module):
     @property
     def dp_world_size(self) -> int:
         return self.mesh.size("dp")
+
+    @property
+    def mpu(self) -> ModelParallelUnit:
+        """Megatron-style rank and group queries (``get_data_parallel_rank()``, ...), as DeepSpeed's ``engine.mpu``."""
+        return ModelParallelUnit(self.mesh)
 
     @property
     def config(self) -> dict:

@@ -22,7 +22,6 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("zero_optimization.zero_hpz_partition_size", lambda v: v > 1, "1"),
     ("zero_optimization.mics_shard_size", lambda v: v > 0, "-1"),
     ("zero_optimization.elastic_checkpoint", bool, "false"),
-    ("pipeline.stages", lambda v: v > 1, "1"),
     ("activation_checkpointing.partition_activations", bool, "false"),
     ("communication_data_type", lambda v: v is not None, "unset"),
     ("memory_breakdown", bool, "false"),

@@ -191,6 +191,20 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.Pro
                 lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
 
 
+def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
+    """Point-to-point send to global rank ``dst`` (asynchronous: wait on the handle before reusing
+    ``tensor``). Counted as the tensor's bytes."""
+    return _run("send", None, _nbytes(tensor), lambda: dist.isend(tensor, dst=dst, tag=tag), async_op=True)
+
+
+def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
+    """Blocking point-to-point receive from global rank ``src`` into ``tensor`` (not counted: the sender counts)."""
+    try:
+        dist.recv(tensor, src=src, tag=tag)
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise _describe_failure(f"recv from rank {src}", None, error) from error
+
+
 def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:
     """Small Python objects from every rank (configs, shapes, checks); not counted as tensor traffic."""
     if group is None:

@@ -4,11 +4,11 @@ One function for every layout, so clipping and the fp16 overflow check agree on 
 
 * ZeRO 1-3 hold disjoint slices over the data-parallel (``dp_sp``) ranks: their squares are
   summed over that group;
-* tensor parallelism splits some parameters over the tp ranks and replicates the rest
-  (norm weights, row-parallel biases). Sharded parts are summed over the tp group; replicated
-  ones hold the same values on every tp rank, so only tp rank 0 counts them -- otherwise the
-  norm would be the tensor-parallel size times too large in those parameters (Megatron does the
-  same). ``skip`` gives, per gradient tensor, the flat ranges this rank leaves out.
+* model parallelism holds different parameters on the tp and pp ranks (``model_groups``): their
+  squares are summed over those groups too. Some parameters are replicated there -- tp-replicated
+  LayerNorms and row biases, a weight tied between the first and last pipeline stage -- and
+  hold the same gradient on each holder, so only one holder counts them (Megatron does the same);
+  ``skip`` gives, per gradient tensor, the flat ranges this rank leaves out.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _counted_parts(grad: torch.Tensor, skip: Ranges) -> list[torch.Tensor]:
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor], *, shard_group: dist.ProcessGroup | None = None,
-                     tp_group: dist.ProcessGroup | None = None,
+                     model_groups: Sequence[dist.ProcessGroup] = (),
                      skip: Sequence[Ranges] | None = None) -> float:
     """L2 norm of the whole model's gradient; ``inf`` when any part is not finite.
 
@@ -53,7 +53,8 @@ def global_grad_norm(grads: Sequence[torch.Tensor], *, shard_group: dist.Process
     if parts:
         squares += torch.stack([torch._foreach_norm([p.float()])[0] for p in parts]).double().pow(2).sum()
     comm.all_reduce(squares, shard_group)
-    comm.all_reduce(squares, tp_group)
+    for group in model_groups:
+        comm.all_reduce(squares, group)
     total = squares.item()
     return math.sqrt(total) if math.isfinite(total) else float("inf")
 

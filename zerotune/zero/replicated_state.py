@@ -29,7 +29,7 @@ class ReplicatedState:
         self.separate = policy.mixed
         self.placement = MasterPlacement()  # stage 0 keeps masters with the parameters
         self.grad_sync = grad_sync
-        self._tp_group: dist.ProcessGroup | None = None
+        self._model_groups: list[dist.ProcessGroup] = []
         self._norm_skip: list[list[tuple[int, int]]] | None = None
 
     @property
@@ -50,16 +50,16 @@ class ReplicatedState:
         return [self.grad_sync.grad_of(p) for p in self.params]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        if self._tp_group is not None:
-            return global_grad_norm(grads, tp_group=self._tp_group, skip=self._norm_skip)
+        if self._model_groups:
+            return global_grad_norm(grads, model_groups=self._model_groups, skip=self._norm_skip)
         return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
 
-    def count_replicated_once(self, tp_group: dist.ProcessGroup, is_replicated: Callable[[torch.nn.Parameter], bool]
-                              ) -> None:
-        """Tensor parallelism: the norm sums over ``tp_group``; tp-replicated parameters count on tp rank 0 only."""
-        self._tp_group = tp_group
-        if dist.get_rank(tp_group) != 0:
-            self._norm_skip = [[(0, p.numel())] if is_replicated(p) else [] for p in self.params]
+    def set_model_parallel_norm(self, groups: Sequence[dist.ProcessGroup],
+                                counted_here: Callable[[torch.nn.Parameter], bool]) -> None:
+        """Model parallelism: the norm also sums over ``groups`` (tp, pp); parameters for which
+        ``counted_here`` is False are left to another holder (see ``zero/grad_norm.py``)."""
+        self._model_groups = list(groups)
+        self._norm_skip = [[(0, p.numel())] if not counted_here(p) else [] for p in self.params]
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self.placement.attach(self.masters, grads, coefficient)

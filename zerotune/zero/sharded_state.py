@@ -74,7 +74,7 @@ class ShardedState:
         if self.separate:
             self.placement.adopt(self.masters, [_range_writer(fg.owned) for fg in self.flat_groups])
         self.grad_sync = None
-        self._tp_group: dist.ProcessGroup | None = None
+        self._model_groups: list[dist.ProcessGroup] = []
         self._norm_skip: list[list[tuple[int, int]]] | None = None
 
     def stage_grads_during_backward(self) -> None:
@@ -105,19 +105,18 @@ class ShardedState:
         return [self.grad_sync.shard_grad(g).float() for g in range(len(self.flat_groups))]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        return global_grad_norm(grads, shard_group=self.group, tp_group=self._tp_group, skip=self._norm_skip)
+        return global_grad_norm(grads, shard_group=self.group, model_groups=self._model_groups, skip=self._norm_skip)
 
-    def count_replicated_once(self, tp_group: dist.ProcessGroup, is_replicated: Callable[[torch.nn.Parameter], bool]
-                              ) -> None:
-        """Tensor parallelism: the norm sums over ``tp_group``; tp-replicated parameters count on tp rank 0 only."""
-        self._tp_group = tp_group
-        if dist.get_rank(tp_group) == 0:
-            return
+    def set_model_parallel_norm(self, groups: Sequence[dist.ProcessGroup],
+                                counted_here: Callable[[torch.nn.Parameter], bool]) -> None:
+        """Model parallelism: the norm also sums over ``groups`` (tp, pp); parameters for which
+        ``counted_here`` is False are left to another holder (see ``zero/grad_norm.py``)."""
+        self._model_groups = list(groups)
         self._norm_skip = []
         for fg in self.flat_groups:
             start, end = fg.layout.owned_range(fg.rank)
             self._norm_skip.append([(piece.flat_offset - start, piece.flat_offset - start + piece.length)
-                                    for piece in fg.layout.pieces_in(start, end) if is_replicated(fg.params[piece.param])])
+                                    for piece in fg.layout.pieces_in(start, end) if not counted_here(fg.params[piece.param])])
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self.placement.attach(self.masters, grads, coefficient)

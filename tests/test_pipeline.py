@@ -1,0 +1,158 @@
+"""Pipeline parallelism reproduces single-process PyTorch (fp32, 6 steps, GAS 4, clipping 0.5).
+
+A PipelineModule MLP (LayerSpecs, a TiedLayerSpec shared by the first and last layer) on 2 and
+4 stages under GPipe and 1F1B, 2 stages x 2 data-parallel ranks with ZeRO-1; the reference is the
+same PipelineModule built with one stage in this process (seed_layers gives every layer the same
+initial weights however the layers are split). Also: stage balance, 1F1B's in-flight bound, and
+the errors for bad setups.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+import zerotune
+from tests.harness import run_distributed
+from tests.models import Trace, assert_close_traces
+from zerotune.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from zerotune.pipe.partition import PartitionError, balanced_boundaries
+from zerotune.pipe.schedule import ScheduleError, build_schedule, max_in_flight
+
+STEPS, GAS, CLIP, ROWS, WIDTH = 6, 4, 0.5, 8, 16
+
+
+def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight
+
+
+def _layers() -> list:
+    """8 layers: a tied input projection, 6 hidden layers, the tied projection reused (transposed) at the end."""
+    hidden = [LayerSpec(nn.Linear, WIDTH, WIDTH) if i % 2 == 0 else LayerSpec(nn.Tanh) for i in range(6)]
+    return ([TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False)] + hidden
+            + [TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=_transposed)])
+
+
+def _mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(outputs, labels)
+
+
+def _pipe(stages: int) -> PipelineModule:
+    return PipelineModule(_layers(), num_stages=stages, loss_fn=_mse, seed_layers=True, base_seed=7)
+
+
+def _micro_batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * step + micro)
+    return torch.randn(rows, WIDTH, generator=generator), torch.randn(rows, WIDTH, generator=generator)
+
+
+def _reference() -> Trace:
+    model = _pipe(1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(GAS):
+            x, y = _micro_batch(step, micro, ROWS)
+            loss = _mse(model(x), y)
+            (loss / GAS).backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / GAS)
+    return Trace(losses, norms)
+
+
+def _config(schedule: str, stage: int, dp: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": ROWS // dp, "gradient_accumulation_steps": GAS,
+            "gradient_clipping": CLIP, "zero_optimization": {"stage": stage}, "pipeline": {"schedule": schedule},
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+
+
+def _pipeline_run(stages: int, schedule: str, zero_stage: int) -> Trace:
+    import torch.distributed as dist
+
+    dp = dist.get_world_size() // stages
+    engine, *_ = zerotune.initialize(model=_pipe(stages), config=_config(schedule, zero_stage, dp))
+    rank, rows = engine.mpu.get_data_parallel_rank(), ROWS // dp
+    losses, norms = [], []
+    for step in range(STEPS):
+        batches = iter([tuple(t[rank * rows:(rank + 1) * rows] for t in _micro_batch(step, m, ROWS))
+                        for m in range(GAS)])
+        loss = engine.train_batch(batches)
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / dist.get_world_size())
+        norms.append(engine.get_global_grad_norm())
+    return Trace(losses, norms)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_pipeline_module_matches_single_process(stages, schedule):
+    expected = _reference()
+    for trace in run_distributed(_pipeline_run, stages, stages, schedule, 0, timeout=180):
+        assert_close_traces(trace, expected, rel=1e-5)
+
+
+def test_two_stages_by_two_data_parallel_ranks_with_zero1_matches_single_process():
+    expected = _reference()
+    for trace in run_distributed(_pipeline_run, 4, 2, "1f1b", 1, timeout=180):
+        assert_close_traces(trace, expected, rel=1e-5)
+
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def test_parameters_partition_balances_within_one_layer():
+    rng = random.Random(0)
+    for _ in range(300):
+        counts = [rng.randint(0, 1000) for _ in range(rng.randint(2, 30))]
+        stages = rng.randint(1, len(counts))
+        bounds = balanced_boundaries(counts, stages)
+        loads = [sum(counts[bounds[s]:bounds[s + 1]]) for s in range(stages)]
+        assert all(bounds[s] < bounds[s + 1] for s in range(stages))  # every stage owns a layer
+        assert max(loads) <= sum(counts) / stages + max(counts)
+
+
+def test_one_f_one_b_holds_at_most_p_micro_batches_and_gpipe_holds_all():
+    for stage in range(4):
+        assert max_in_flight(build_schedule("1f1b", 8, 4, stage)) == 4 - stage
+        assert max_in_flight(build_schedule("gpipe", 8, 4, stage)) == 8
+
+
+def test_more_stages_than_layers_is_refused():
+    with pytest.raises(PartitionError, match="5 pipeline stages but only 4 layer"):
+        balanced_boundaries([1, 1, 1, 1], 5)
+
+
+def test_gas_smaller_than_stages_is_refused_for_1f1b():
+    with pytest.raises(ScheduleError, match="gradient_accumulation_steps=2 < 4 stages"):
+        build_schedule("1f1b", 2, 4, 0)
+
+
+def test_tied_layer_specs_of_different_shapes_are_refused():
+    layers = [TiedLayerSpec("proj", nn.Linear, 4, 8), LayerSpec(nn.Tanh), TiedLayerSpec("proj", nn.Linear, 8, 8)]
+    with pytest.raises(ValueError, match="TiedLayerSpec key 'proj': layer 2 .* shapes"):
+        PipelineModule(layers, num_stages=1)
+
+
+def _initialize_error(config_change: dict, stages: int) -> str:
+    try:
+        zerotune.initialize(model=_pipe(stages), config={**_config("1f1b", 0, 1), **config_change})
+    except Exception as error:  # noqa: BLE001 - the message is what is tested
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+@pytest.mark.parametrize("change, expected", [
+    ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1 < 2 stages"),
+    ({"zero_optimization": {"stage": 2}}, "2 with pipeline parallelism is not supported"),
+])
+def test_bad_pipeline_setups_are_refused_at_initialize(change, expected):
+    for message in run_distributed(_initialize_error, 2, change, 2, timeout=120):
+        assert expected in message, message

@@ -1,0 +1,205 @@
+"""``PipelineEngine``: DeepSpeed's ``train_batch`` / ``eval_batch`` over pipeline stages.
+
+One ``train_batch`` = one optimizer step = ``gradient_accumulation_steps`` micro-batches pushed
+through the stages in the configured schedule (``schedule.py``). Around each action:
+
+* forward: the first stage takes a micro-batch from the data iterator (``batch_fn`` splits it into
+  the model inputs and the labels); the others receive the previous stage's outputs (``p2p.py``);
+  the last stage also reads the micro-batch, for its labels, and computes ``loss_fn``;
+* backward: the last stage backpropagates ``loss * loss_scale / GAS``; the others receive the
+  gradient of their outputs; every stage but the first sends its inputs' gradient back.
+
+Why not ``torch.distributed.pipelining``'s schedules: they run each micro-batch's backward
+themselves and rescale the accumulated gradients afterwards (``scale_grads``), while zerotune's
+gradient path needs to act around each backward -- the boundary flag that lets ZeRO's bucketed
+all-reduce / reduce-scatter overlap the *last* micro-batch's backward, the fp16 loss scale and the
+1/GAS factor applied to the loss (not the gradients), the tied-weight reduction between stages
+before ZeRO-1's reduce-scatter -- and its stages need the whole model on one device per stage to
+infer shapes with a meta forward, where ours learn shapes from a small header per message.
+
+After the last backward the step is the data-parallel engine's, with the gradient norm summed
+over the pipeline (and tensor) ranks. Sends are asynchronous and receives blocking; every stage's
+schedule is consistent with its neighbours', so this cannot deadlock. The batch loss is broadcast
+from the last stage: every rank returns it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from zerotune.distributed import comm
+from zerotune.engine import Engine, _map_tensors
+from zerotune.pipe.module import PipelineModule
+from zerotune.pipe.p2p import ACTIVATION_TAG, GRADIENT_TAG, as_tuple, recv_tensors, send_tensors
+from zerotune.pipe.schedule import build_schedule
+
+
+def default_batch_fn(batch: Any) -> tuple[Any, Any]:
+    """DeepSpeed's batch format for pipelines: ``(inputs, labels)``."""
+    if isinstance(batch, (list, tuple)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError("a pipeline batch must be a pair (inputs, labels) (DeepSpeed's format); set "
+                    f"engine.set_batch_fn(fn) to convert your batches, got {type(batch).__name__}")
+
+
+class PipelineEngine(Engine):
+    """The engine of a ``PipelineModule``; see the module docstring."""
+
+    def __init__(self, *, tie_groups: dict[str, dist.ProcessGroup], batch_fn: Callable | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.pipe: PipelineModule = self.module
+        self.tie_groups = tie_groups
+        self.batch_fn = batch_fn or default_batch_fn
+        self.stage_id = self.mesh.rank("pp")
+        self.num_stages = self.mesh.size("pp")
+        ranks = dist.get_process_group_ranks(self.mesh.group("pp")) if self.num_stages > 1 else [dist.get_rank()]
+        self._prev = ranks[self.stage_id - 1] if self.stage_id > 0 else None
+        self._next = ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else None
+        self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro-batch, start, end) of the last batch
+
+    # ---- DeepSpeed's pipeline accessors --------------------------------------------------
+    def is_first_stage(self) -> bool:
+        return self.stage_id == 0
+
+    def is_last_stage(self) -> bool:
+        return self.stage_id == self.num_stages - 1
+
+    def set_batch_fn(self, fn: Callable) -> None:
+        self.batch_fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("with pipeline parallelism use engine.train_batch(data_iter) / engine.eval_batch(data_iter) "
+                           "(forward, backward and step are run by the pipeline schedule)")
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:
+        self.forward()
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        self.forward()
+
+    # ---- one batch -------------------------------------------------------------------------
+    def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
+        """One optimizer step over GAS micro-batches; the mean loss on every rank."""
+        self.pipe.train()
+        micro_batches = self.gradient_accumulation_steps()
+        schedule = build_schedule(self._config.pipeline.schedule, micro_batches, self.num_stages, self.stage_id)
+        saved: dict[int, tuple] = {}
+        losses: list[torch.Tensor] = []
+        sends: list[comm.Handle] = []
+        backwards_done = 0
+        self.timeline = []
+        for action in schedule:
+            started = time.perf_counter()
+            if action.kind == "forward":
+                inputs, labels = self._stage_inputs(data_iter)
+                outputs = self.pipe(inputs[0] if len(inputs) == 1 else inputs)
+                if self.is_last_stage():
+                    loss = self._loss(outputs, labels)
+                    losses.append(loss.detach().float())
+                    saved[action.micro_batch] = (inputs, loss)
+                else:
+                    sends += send_tensors(as_tuple(outputs), self._next, ACTIVATION_TAG)
+                    saved[action.micro_batch] = (inputs, outputs)
+            else:
+                backwards_done += 1
+                self.grad_sync.begin_micro_step(backwards_done == micro_batches)
+                inputs, outputs = saved.pop(action.micro_batch)
+                self._backward(outputs)
+                if not self.is_first_stage():
+                    grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                  for t in inputs if t.requires_grad)
+                    sends += send_tensors(grads, self._prev, GRADIENT_TAG)
+            self.timeline.append((action.kind, action.micro_batch, started, time.perf_counter()))
+        for handle in sends:
+            handle.wait()
+        mean_loss = self._broadcast_loss(losses, micro_batches)
+        self._window_loss = mean_loss * micro_batches  # the step report divides by GAS
+        with self.timers("step"):
+            self._reduce_tied_grads(before_sync=True)
+            self.grad_sync.finish()
+            self._reduce_tied_grads(before_sync=False)
+            self._take_model_step({})
+        self.micro_steps += micro_batches
+        return mean_loss
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator | None = None, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None
+                   ) -> torch.Tensor:
+        """Forward-only over GAS micro-batches (or ``num_micro_batches``): the mean loss on every rank."""
+        if return_logits or not compute_loss or reduce_output != "avg":
+            raise NotImplementedError("eval_batch supports compute_loss=True, reduce_output='avg' and no logits")
+        was_training = self.pipe.training
+        self.pipe.eval()
+        micro_batches = num_micro_batches or self.gradient_accumulation_steps()
+        losses, sends = [], []
+        for _ in range(micro_batches):
+            inputs, labels = self._stage_inputs(data_iter)
+            outputs = self.pipe(inputs[0] if len(inputs) == 1 else inputs)
+            if self.is_last_stage():
+                losses.append(self._loss(outputs, labels).float())
+            else:
+                sends += send_tensors(as_tuple(outputs), self._next, ACTIVATION_TAG)
+        for handle in sends:
+            handle.wait()
+        self.pipe.train(was_training)
+        return self._broadcast_loss(losses, micro_batches)
+
+    # ---- pieces ----------------------------------------------------------------------------
+    def _stage_inputs(self, data_iter: Iterator | None) -> tuple[tuple, Any]:
+        """This stage's inputs for the next micro-batch, and the labels on the last stage."""
+        labels = None
+        if self.is_first_stage() or self.is_last_stage():
+            batch = next(data_iter) if data_iter is not None else self._next_default_batch()
+            inputs, labels = self.batch_fn(_map_tensors(batch, lambda t: t.to(self.device)))
+        if self.is_first_stage():
+            if self.policy.mixed:
+                inputs = _map_tensors(inputs, lambda t: t.to(self.policy.param_dtype) if t.is_floating_point() else t)
+            return as_tuple(inputs), labels
+        received = recv_tensors(self._prev, ACTIVATION_TAG, self.device)
+        if not torch.is_grad_enabled():
+            received = tuple(t.detach() for t in received)
+        return received, labels
+
+    def _loss(self, outputs: Any, labels: Any) -> torch.Tensor:
+        if self.pipe.loss_fn is None:
+            if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
+                return outputs
+            raise ValueError("PipelineModule(loss_fn=...) is needed: the last stage's output is not a scalar loss")
+        return self.pipe.loss_fn(outputs, labels)
+
+    def _backward(self, outputs: Any) -> None:
+        if self.is_last_stage():
+            scale = self.loss_scaler.loss_scale / self.gradient_accumulation_steps()
+            (outputs.float() * scale).backward()
+            return
+        grads = recv_tensors(self._next, GRADIENT_TAG, self.device)
+        needing = [t for t in as_tuple(outputs) if t.requires_grad]
+        if len(needing) != len(grads):
+            raise RuntimeError(f"pipeline stage {self.stage_id}: {len(grads)} gradient(s) received for "
+                               f"{len(needing)} output(s) that need one")
+        torch.autograd.backward(needing, grads)
+
+    def _broadcast_loss(self, losses: list[torch.Tensor], micro_batches: int) -> torch.Tensor:
+        total = torch.stack(losses).sum() / micro_batches if losses else torch.zeros((), device=self.device)
+        total = total.to(self.device, torch.float32)
+        comm.broadcast(total, self.num_stages - 1, self.mesh.group("pp"))
+        return total
+
+    def _reduce_tied_grads(self, *, before_sync: bool) -> None:
+        """Sum a tied weight's gradient over the stages holding it: ZeRO-1 before its reduce-scatter (the
+        full local gradient is in ``param.grad``), stage 0 after its all-reduce (the summed gradient is in
+        the fp32 bucket); summing and averaging commute."""
+        if before_sync != (self.zero_optimization_stage() == 1):
+            return
+        for key, param in self.pipe.local_tied_parameters().items():
+            grad = param.grad if before_sync else self.grad_sync.grad_of(param)
+            if grad is None:
+                grad = param.grad = torch.zeros_like(param)
+            comm.all_reduce(grad, self.tie_groups[key])
+
