@@ -61,6 +61,15 @@ def make_llama(seed: int = 0, *, heads: int = 4, kv_heads: int = 2, positions: i
     return LlamaForCausalLM(config)
 
 
+def make_bert(seed: int = 0):
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(seed)
+    return BertForMaskedLM(BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                      attention_probs_dropout_prob=0.0))
+
+
 def gpt2_batch(step: int, micro: int, rows: int, seq: int = 16) -> dict:
     generator = torch.Generator().manual_seed(5000 + 31 * step + micro)
     ids = torch.randint(0, 96, (rows, seq), generator=generator)

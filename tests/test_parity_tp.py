@@ -14,7 +14,8 @@ import torch
 
 import zerotune
 from tests.harness import run_distributed
-from tests.models import assert_close_traces, engine_run, gpt2_batch, make_gpt2, make_llama, mlp_batch, reference_run
+from tests.models import (assert_close_traces, engine_run, gpt2_batch, make_bert, make_gpt2, make_llama, mlp_batch,
+                          reference_run)
 
 STEPS, GAS, CLIP, ROWS = 8, 2, 0.5, 4
 
@@ -44,15 +45,6 @@ USER_PLAN = {"layer_specs": [{"patterns": [r"up\.weight"], "partition_type": "co
                              {"patterns": [r"down\.weight"], "partition_type": "row"}]}
 
 
-def _make_bert():
-    from transformers import BertConfig, BertForMaskedLM
-
-    torch.manual_seed(0)
-    return BertForMaskedLM(BertConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                      intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                      attention_probs_dropout_prob=0.0))
-
-
 def _make_qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -63,7 +55,7 @@ def _make_qwen2():
 
 
 def _make(kind: str):
-    return {"gpt2": make_gpt2, "llama": make_llama, "bert": _make_bert, "qwen2": _make_qwen2, "mlp": PlanMLP}[kind]()
+    return {"gpt2": make_gpt2, "llama": make_llama, "bert": make_bert, "qwen2": _make_qwen2, "mlp": PlanMLP}[kind]()
 
 
 def _batch_fn(kind: str):

@@ -39,9 +39,19 @@ MODEL_FILE = "model_states.pt"
 OPTIM_FILE = "optim_states.pt"
 
 
+def _stage_part(engine: Engine) -> str:
+    return "" if engine.mesh.size("pp") == 1 else f"_stage{engine.mesh.rank('pp')}"
+
+
+def model_file(engine: Engine) -> str:
+    """One module file, or one per pipeline stage (each holds its own layers)."""
+    return f"model_states{_stage_part(engine)}.pt"
+
+
 def optim_file(engine: Engine) -> str:
-    """Stage 0: one optimizer file, or one per tensor-parallel rank (each holds different shards)."""
-    return OPTIM_FILE if engine.mesh.size("tp") == 1 else f"optim_states_tp_rank{engine.mesh.rank('tp')}.pt"
+    """Stage 0: one optimizer file, or one per pipeline stage and tensor-parallel rank (different parameters)."""
+    tp = "" if engine.mesh.size("tp") == 1 else f"_tp_rank{engine.mesh.rank('tp')}"
+    return f"optim_states{_stage_part(engine)}{tp}.pt"
 
 
 def rng_file(rank: int) -> str:
@@ -189,9 +199,9 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
         prepare_partial_dir(save_dir, tag)
     comm.barrier()
     staging = partial_dir(save_dir, tag)
-    first_replica = engine.mesh.rank("dp_sp") == 0  # the tp ranks that hold rank 0's model replica
+    first_replica = engine.mesh.rank("dp_sp") == 0  # the tp ranks of each stage's first model replica
     module_state = _module_state(engine) if first_replica else None
-    if engine.global_rank == 0:
+    if first_replica and engine.mesh.rank("tp") == 0:
         write_file_atomically({
             "module": module_state,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
@@ -201,8 +211,8 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             "client_state": client_state, "config": engine.config,
             "layout": {"dp_world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
                        "precision": engine.policy.name, "tp_size": engine.mesh.size("tp"),
-                       "sp_size": engine.mesh.size("sp")},
-        }, staging / MODEL_FILE)
+                       "sp_size": engine.mesh.size("sp"), "pp_size": engine.mesh.size("pp")},
+        }, staging / model_file(engine))
     if first_replica and not engine.sharded and engine.optimizer is not None:
         write_file_atomically(_optimizer_state_by_name(engine), staging / optim_file(engine))
     if engine.sharded and engine.optimizer is not None:
@@ -231,7 +241,7 @@ def _load_module(engine: Engine, saved: dict, directory: Path, strict: bool) -> 
         try:
             engine.module.load_state_dict(shard_state_dict(engine.module, saved["module"]), strict=strict)
         except RuntimeError as error:
-            raise CheckpointError(f"{directory / MODEL_FILE} does not fit this model: {error}") from error
+            raise CheckpointError(f"{directory / model_file(engine)} does not fit this model: {error}") from error
         return
     expected = set(_module_state(engine))
     if strict and set(saved["module"]) != expected:
@@ -253,7 +263,10 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
     directory = Path(load_dir) / resolved
     if not directory.is_dir():
         raise CheckpointError(f"checkpoint directory {directory} does not exist")
-    saved = read_file(directory / MODEL_FILE, "model states")
+    if not (directory / model_file(engine)).is_file() and (directory / MODEL_FILE).is_file():
+        raise CheckpointError(f"{directory} was saved without pipeline stages; loading it with "
+                              f"{engine.mesh.size('pp')} stages is not supported yet")
+    saved = read_file(directory / model_file(engine), "model states")
     _load_module(engine, saved, directory, load_module_strict)
     engine.state.reload_from_model()
     if load_module_only:

@@ -25,7 +25,9 @@ from the last stage: every rank returns it.
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm
 from zerotune.engine import Engine, _map_tensors
+from zerotune.parallel.tensor.state_dict import iter_full_tensors
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.p2p import ACTIVATION_TAG, GRADIENT_TAG, as_tuple, recv_tensors, send_tensors
 from zerotune.pipe.schedule import build_schedule
@@ -150,6 +153,27 @@ class PipelineEngine(Engine):
         self.pipe.train(was_training)
         return self._broadcast_loss(losses, micro_batches)
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the whole model, every stage's layers (tensor-parallel shards joined), under the
+        Hugging Face model's own names when it was split from one. Every rank must call it."""
+        entries = [(key, tensor) for key, tensor in self.pipe.state_dict(keep_vars=True).items()
+                   if not (exclude_frozen_parameters and isinstance(tensor, torch.nn.Parameter)
+                           and not tensor.requires_grad)]
+        names = self.pipe.export_names or {}
+        local: dict[str, torch.Tensor] = {}
+        for (key, live), (_, full) in zip(entries, iter_full_tensors(entries, self.mesh.group("tp"))):
+            for name in names.get(id(live), [key]):
+                local[name] = full.detach().to("cpu", copy=True)
+        if self.mesh.rank("dp_sp") == 0 and self.mesh.rank("tp") == 0:
+            merged: dict[str, torch.Tensor] = {}
+            for part in comm.all_gather_object(local, self.mesh.group("pp")):
+                merged.update(part)
+            if self.global_rank == 0:
+                write_state_dict(merged, Path(save_dir) / save_filename)
+        comm.barrier()
+        return True
+
     # ---- pieces ----------------------------------------------------------------------------
     def _stage_inputs(self, data_iter: Iterator | None) -> tuple[tuple, Any]:
         """This stage's inputs for the next micro-batch, and the labels on the last stage."""
@@ -203,3 +227,16 @@ class PipelineEngine(Engine):
                 grad = param.grad = torch.zeros_like(param)
             comm.all_reduce(grad, self.tie_groups[key])
 
+
+
+def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
+    """``.safetensors`` or ``torch.save`` by the file name, under a temporary name renamed at the end."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(f".{path.name}.partial")
+    if path.suffix == ".safetensors":
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in state.items()}, str(temporary), metadata={"format": "pt"})
+    else:
+        torch.save(state, temporary)
+    os.replace(temporary, path)

@@ -108,6 +108,7 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
         self.stage_id = _stage_of_rank(num_stages)
+        self.export_names: dict[int, list[str]] | None = None  # set for split HF models: tensor id -> HF names
         self._check_tied_shapes()
         counts = [_meta_param_count(s) if isinstance(s, LayerSpec) else
                   sum(p.numel() for p in s.parameters()) if isinstance(s, nn.Module) else 0 for s in self.layer_specs]

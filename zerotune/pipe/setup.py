@@ -89,6 +89,9 @@ def build_pipeline(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, split
         method = "parameters" if cfg.pipeline.partition == "best" else cfg.pipeline.partition
         pipe = PipelineModule(layers, num_stages=stages, loss_fn=loss_fn, partition_method=method,
                               activation_checkpoint_interval=int(cfg.pipeline.activation_checkpoint_interval))
+        pipe.export_names = {}  # the HF names of each tensor, so save_16bit_model writes a from_pretrained file
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            pipe.export_names.setdefault(id(tensor), []).append(name)
     groups = tie_groups(pipe, mesh)
     if isinstance(model, PipelineModule):
         _broadcast_tied(pipe, groups)
