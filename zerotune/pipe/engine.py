@@ -63,7 +63,9 @@ class PipelineEngine(Engine):
         ranks = dist.get_process_group_ranks(self.mesh.group("pp")) if self.num_stages > 1 else [dist.get_rank()]
         self._prev = ranks[self.stage_id - 1] if self.stage_id > 0 else None
         self._next = ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else None
-        self.timeline: list[tuple[str, int, float, float]] = []  # (kind, micro-batch, start, end) of the last batch
+        # (kind, micro-batch, start, end) of each action's computation in the last train_batch (perf_counter: one
+        # clock for all processes of a machine), excluding waits for the neighbours -- the bubble benchmark reads it
+        self.timeline: list[tuple[str, int, float, float]] = []
 
     # ---- DeepSpeed's pipeline accessors --------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -97,27 +99,29 @@ class PipelineEngine(Engine):
         backwards_done = 0
         self.timeline = []
         for action in schedule:
-            started = time.perf_counter()
             if action.kind == "forward":
                 inputs, labels = self._stage_inputs(data_iter)
+                started = time.perf_counter()
                 outputs = self.pipe(inputs[0] if len(inputs) == 1 else inputs)
                 if self.is_last_stage():
-                    loss = self._loss(outputs, labels)
-                    losses.append(loss.detach().float())
-                    saved[action.micro_batch] = (inputs, loss)
-                else:
+                    outputs = self._loss(outputs, labels)
+                    losses.append(outputs.detach().float())
+                self.timeline.append(("forward", action.micro_batch, started, time.perf_counter()))
+                if not self.is_last_stage():
                     sends += send_tensors(as_tuple(outputs), self._next, ACTIVATION_TAG)
-                    saved[action.micro_batch] = (inputs, outputs)
+                saved[action.micro_batch] = (inputs, outputs)
             else:
                 backwards_done += 1
                 self.grad_sync.begin_micro_step(backwards_done == micro_batches)
                 inputs, outputs = saved.pop(action.micro_batch)
-                self._backward(outputs)
+                grads = None if self.is_last_stage() else recv_tensors(self._next, GRADIENT_TAG, self.device)
+                started = time.perf_counter()
+                self._backward(outputs, grads)
+                self.timeline.append(("backward", action.micro_batch, started, time.perf_counter()))
                 if not self.is_first_stage():
-                    grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
-                                  for t in inputs if t.requires_grad)
-                    sends += send_tensors(grads, self._prev, GRADIENT_TAG)
-            self.timeline.append((action.kind, action.micro_batch, started, time.perf_counter()))
+                    input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                        for t in inputs if t.requires_grad)
+                    sends += send_tensors(input_grads, self._prev, GRADIENT_TAG)
         for handle in sends:
             handle.wait()
         mean_loss = self._broadcast_loss(losses, micro_batches)
@@ -197,12 +201,12 @@ class PipelineEngine(Engine):
             raise ValueError("PipelineModule(loss_fn=...) is needed: the last stage's output is not a scalar loss")
         return self.pipe.loss_fn(outputs, labels)
 
-    def _backward(self, outputs: Any) -> None:
-        if self.is_last_stage():
+    def _backward(self, outputs: Any, grads: tuple[torch.Tensor, ...] | None) -> None:
+        """The loss's backward on the last stage; elsewhere the outputs' backward with the received gradients."""
+        if grads is None:
             scale = self.loss_scaler.loss_scale / self.gradient_accumulation_steps()
             (outputs.float() * scale).backward()
             return
-        grads = recv_tensors(self._next, GRADIENT_TAG, self.device)
         needing = [t for t in as_tuple(outputs) if t.requires_grad]
         if len(needing) != len(grads):
             raise RuntimeError(f"pipeline stage {self.stage_id}: {len(grads)} gradient(s) received for "
