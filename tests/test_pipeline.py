@@ -40,8 +40,9 @@ def _mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.mse_loss(outputs, labels)
 
 
-def _pipe(stages: int) -> PipelineModule:
-    return PipelineModule(_layers(), num_stages=stages, loss_fn=_mse, seed_layers=True, base_seed=7)
+def _pipe(stages: int, checkpoint_interval: int = 0) -> PipelineModule:
+    return PipelineModule(_layers(), num_stages=stages, loss_fn=_mse, seed_layers=True, base_seed=7,
+                          activation_checkpoint_interval=checkpoint_interval)
 
 
 def _micro_batch(step: int, micro: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -73,22 +74,34 @@ def _config(schedule: str, stage: int, dp: int) -> dict:
             "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
 
 
-def _pipeline_run(stages: int, schedule: str, zero_stage: int) -> Trace:
+def _batches(engine, step: int):
+    dp = engine.mpu.get_data_parallel_world_size()
+    rank, rows = engine.mpu.get_data_parallel_rank(), ROWS // dp
+    return iter([tuple(t[rank * rows:(rank + 1) * rows] for t in _micro_batch(step, m, ROWS)) for m in range(GAS)])
+
+
+def _train(engine, steps: range) -> Trace:
     import torch.distributed as dist
 
-    dp = dist.get_world_size() // stages
-    engine, *_ = zerotune.initialize(model=_pipe(stages), config=_config(schedule, zero_stage, dp))
-    rank, rows = engine.mpu.get_data_parallel_rank(), ROWS // dp
     losses, norms = [], []
-    for step in range(STEPS):
-        batches = iter([tuple(t[rank * rows:(rank + 1) * rows] for t in _micro_batch(step, m, ROWS))
-                        for m in range(GAS)])
-        loss = engine.train_batch(batches)
-        total = loss.detach().clone()
+    for step in steps:
+        total = engine.train_batch(_batches(engine, step)).detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / dist.get_world_size())
         norms.append(engine.get_global_grad_norm())
     return Trace(losses, norms)
+
+
+def _engine(stages: int, schedule: str, zero_stage: int, checkpoint_interval: int = 0):
+    import torch.distributed as dist
+
+    dp = dist.get_world_size() // stages
+    engine, *_ = zerotune.initialize(model=_pipe(stages, checkpoint_interval), config=_config(schedule, zero_stage, dp))
+    return engine
+
+
+def _pipeline_run(stages: int, schedule: str, zero_stage: int, checkpoint_interval: int = 0) -> Trace:
+    return _train(_engine(stages, schedule, zero_stage, checkpoint_interval), range(STEPS))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -103,6 +116,44 @@ def test_two_stages_by_two_data_parallel_ranks_with_zero1_matches_single_process
     expected = _reference()
     for trace in run_distributed(_pipeline_run, 4, 2, "1f1b", 1, timeout=180):
         assert_close_traces(trace, expected, rel=1e-5)
+
+
+def test_activation_checkpoint_interval_recomputes_and_still_matches():
+    expected = _reference()
+    for trace in run_distributed(_pipeline_run, 2, 2, "1f1b", 0, 2, timeout=180):
+        assert_close_traces(trace, expected, rel=1e-5)
+
+
+def _save_resume_and_eval(zero_stage: int, directory: str) -> tuple[list[float], list[float], float]:
+    engine = _engine(2, "1f1b", zero_stage)
+    _train(engine, range(3))
+    engine.save_checkpoint(directory, tag="t")
+    first = _train(engine, range(3, 6))
+    resumed = _engine(2, "1f1b", zero_stage)
+    resumed.load_checkpoint(directory, tag="t")
+    second = _train(resumed, range(3, 6))
+    evaluated = resumed.eval_batch(_batches(resumed, 99)).item()
+    return first.losses + first.grad_norms, second.losses + second.grad_norms, evaluated
+
+
+@pytest.mark.parametrize("zero_stage, world", [(0, 2), pytest.param(1, 4, marks=pytest.mark.slow)])
+def test_checkpoint_resume_is_bit_identical_and_eval_batch_returns_the_loss_on_every_rank(zero_stage, world, tmp_path):
+    results = run_distributed(_save_resume_and_eval, world, zero_stage, str(tmp_path), timeout=240)
+    assert {f"model_states_stage{s}.pt" for s in (0, 1)} <= {p.name for p in (tmp_path / "t").iterdir()}
+    reference = _pipe(1)  # the eval loss equals the single-process model's after the same 6 steps
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    for step in range(STEPS):
+        for micro in range(GAS):
+            x, y = _micro_batch(step, micro, ROWS)
+            (_mse(reference(x), y) / GAS).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        expected_eval = sum(_mse(reference(x), y).item() for x, y in (_micro_batch(99, m, ROWS) for m in range(GAS))) / GAS
+    for first, second, evaluated in results:
+        assert first == second
+        assert abs(evaluated - expected_eval) <= 1e-5 * expected_eval
 
 
 # ----------------------------------------------------------------------------- pure parts

@@ -20,7 +20,7 @@ infer shapes with a meta forward, where ours learn shapes from a small header pe
 After the last backward the step is the data-parallel engine's, with the gradient norm summed
 over the pipeline (and tensor) ranks. Sends are asynchronous and receives blocking; every stage's
 schedule is consistent with its neighbours', so this cannot deadlock. The batch loss is broadcast
-from the last stage: every rank returns it.
+from the last stage and averaged over the data-parallel ranks: every rank returns it.
 """
 
 from __future__ import annotations
@@ -214,10 +214,12 @@ class PipelineEngine(Engine):
         torch.autograd.backward(needing, grads)
 
     def _broadcast_loss(self, losses: list[torch.Tensor], micro_batches: int) -> torch.Tensor:
+        """The batch's mean loss, averaged over the data-parallel ranks (as DeepSpeed's), on every rank."""
         total = torch.stack(losses).sum() / micro_batches if losses else torch.zeros((), device=self.device)
         total = total.to(self.device, torch.float32)
         comm.broadcast(total, self.num_stages - 1, self.mesh.group("pp"))
-        return total
+        comm.all_reduce(total, self.mesh.group("dp"))
+        return total / self.mesh.size("dp")
 
     def _reduce_tied_grads(self, *, before_sync: bool) -> None:
         """Sum a tied weight's gradient over the stages holding it: ZeRO-1 before its reduce-scatter (the
