@@ -19,17 +19,15 @@ from torch.utils.data import DataLoader, DistributedSampler
 from zerotune.config import ConfigError, NotSupportedYetError, assert_implemented, load_config, resolve_config
 from zerotune.distributed import comm
 from zerotune.distributed.env import init_distributed
-from zerotune.distributed.mesh import ParallelDims, ProcessMesh, build_mesh
+from zerotune.distributed.mesh import ProcessMesh, build_mesh
 from zerotune.engine import Engine
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.activation_checkpointing import apply_activation_checkpointing
-from zerotune.parallel.sequence.ulysses_attention import install_ulysses_attention
-from zerotune.parallel.tensor.autotp import apply_autotp
-from zerotune.parallel.tensor.layout import tp_layout_of
-from zerotune.parallel.tensor.plans import rules_from_config
+from zerotune.parallel.setup import (check_model_parallel_composes, install_sequence_parallel, limit_norm_to_one_holder,
+                                     parallel_dims, split_tensor_parallel)
 from zerotune.pipe.engine import PipelineEngine
 from zerotune.pipe.module import PipelineModule
-from zerotune.pipe.setup import build_pipeline, check_pipeline_composes, norm_counted_here
+from zerotune.pipe.setup import build_pipeline, check_pipeline_composes
 from zerotune.parallel.activation_checkpointing import configure as configure_activation_checkpointing
 from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
@@ -293,10 +291,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                  "tensor_parallel.autotp_size and sequence_parallel_size")
     raw = load_config(_config_source(args, config, config_params))
     env = init_distributed(dist_init_required=dist_init_required)
-    mesh = build_mesh(_parallel_dims(raw, env.world_size, model), env.device.type)
+    mesh = build_mesh(parallel_dims(raw, env.world_size, model), env.device.type)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=_auto_values(raw, model))
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
-    _check_model_parallel_composes(cfg, mesh)
+    check_model_parallel_composes(cfg, mesh)
     check_pipeline_composes(cfg, mesh)
     # The config is the source of truth for zerotune.checkpointing.checkpoint(...) calls and for blocks wrapped by
     # apply_activation_checkpointing(model) without an explicit policy (they read it at call time).
@@ -315,13 +313,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         if not isinstance(model, PipelineModule):
             _broadcast_from_rank0(model)
         model, tie_groups, batch_fn = build_pipeline(
-            model, cfg, mesh, split_tensor_parallel=lambda m: _split_tensor_parallel(m, cfg, mesh, rank=env.rank))
+            model, cfg, mesh, split_tensor_parallel=lambda m: split_tensor_parallel(m, cfg, mesh, rank=env.rank))
         model.to(env.device)
         log_rank0("pipeline: %s; schedule %s", model.describe_stages(), cfg.pipeline.schedule, rank=env.rank)
     else:
         _broadcast_from_rank0(model)
-        _split_tensor_parallel(model, cfg, mesh, rank=env.rank)
-        _install_sequence_parallel(model, mesh, rank=env.rank)
+        split_tensor_parallel(model, cfg, mesh, rank=env.rank)
+        install_sequence_parallel(model, mesh, rank=env.rank)
     groups = _param_groups(model, optimizer, model_parameters)
     if pipelined and model is not user_model:  # an HF model's parameters of other stages live elsewhere
         local = {id(p) for p in model.parameters()}
@@ -332,7 +330,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         log_rank0("%d parameter(s) require grad but are in no optimizer group and will not be trained (e.g. %s); "
                   "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=env.rank)
     state = _build_state(cfg, groups, trainable, policy, mesh, model)
-    _limit_norm_to_one_holder(state, mesh, model if pipelined else None)
+    limit_norm_to_one_holder(state, mesh, model if pipelined else None)
     torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
     if isinstance(torch_optimizer, Lamb) and not isinstance(state, ReplicatedState):
         raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stages 1-3 is not supported yet: its per-parameter "
@@ -356,63 +354,6 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
               env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage, policy.name,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _parallel_dims(raw: Any, world_size: int, model: torch.nn.Module) -> ParallelDims:
-    """The mesh's sizes from ``pipeline.stages`` (or the PipelineModule's ``num_stages``),
-    ``tensor_parallel.autotp_size`` and ``sequence_parallel_size``; dp takes the rest."""
-    stages = model.num_stages if isinstance(model, PipelineModule) else raw.pipeline.stages
-    sizes = {}
-    for key, value in (("tensor_parallel.autotp_size", raw.tensor_parallel.autotp_size),
-                       ("sequence_parallel_size", raw.sequence_parallel_size), ("pipeline.stages", stages)):
-        if value == "auto":
-            raise ConfigError(key, '"auto" cannot be resolved: give the parallel size as a number')
-        sizes[key] = max(int(value), 1)
-    tp, sp, pp = sizes["tensor_parallel.autotp_size"], sizes["sequence_parallel_size"], sizes["pipeline.stages"]
-    try:
-        return ParallelDims.from_world(world_size, tp=tp, sp=sp, pp=pp)
-    except ValueError as error:
-        key = next(k for k, v in (("pipeline.stages", pp), ("tensor_parallel.autotp_size", tp)) if v > 1) \
-            if pp > 1 or tp > 1 else "sequence_parallel_size"
-        raise ConfigError(key, f"{error}; launch a multiple of pp x tp x sp = {pp * tp * sp} ranks") from None
-
-
-def _check_model_parallel_composes(cfg: Any, mesh: ProcessMesh) -> None:
-    if mesh.size("tp") > 1 and cfg.zero_optimization.stage == 3:
-        raise NotSupportedYetError("zero_optimization.stage", f"3 with tensor_parallel.autotp_size {mesh.size('tp')} "
-                                   "is not supported yet: tensor parallelism composes with ZeRO stages 0, 1 and 2 "
-                                   "(as DeepSpeed's AutoTP training)")
-
-
-def _split_tensor_parallel(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, rank: int) -> None:
-    """Tensor parallelism (AutoTP), applied in place before any state is built."""
-    if mesh.size("tp") > 1:
-        partition = cfg.tensor_parallel.partition_config
-        split = apply_autotp(model, mesh.group("tp"), layer_specs=rules_from_config(partition.layer_specs),
-                             use_default_specs=bool(partition.use_default_specs))
-        log_rank0("tensor parallelism: %d layer(s) split over %d ranks (%s, ...)", len(split), mesh.size("tp"),
-                  ", ".join(f"{layer.name}: {layer.kind}" for layer in split[:3]), rank=rank)
-
-
-def _install_sequence_parallel(model: torch.nn.Module, mesh: ProcessMesh, *, rank: int) -> None:
-    if mesh.size("sp") > 1:
-        install_ulysses_attention(model, mesh.group("sp"))
-        log_rank0("sequence parallelism: Ulysses attention over %d ranks", mesh.size("sp"), rank=rank)
-
-
-def _limit_norm_to_one_holder(state: Any, mesh: ProcessMesh, pipe: PipelineModule | None) -> None:
-    """The gradient norm spans the tp and pp ranks; what several of them hold (tp-replicated LayerNorms and
-    row biases, weights tied across stages) is counted by one holder (see zero/grad_norm.py)."""
-    groups, rules = [], []
-    if mesh.size("tp") > 1:
-        tp_rank0 = mesh.rank("tp") == 0
-        groups.append(mesh.group("tp"))
-        rules.append(lambda param: tp_layout_of(param) is not None or tp_rank0)
-    if pipe is not None and mesh.size("pp") > 1:
-        groups.append(mesh.group("pp"))
-        rules.append(norm_counted_here(pipe, mesh))
-    if groups:
-        state.set_model_parallel_norm(groups, lambda param: all(rule(param) for rule in rules))
 
 
 def _predivide_factor(cfg: Any, mesh: ProcessMesh) -> float:
