@@ -22,6 +22,7 @@ import torch
 
 from zerotune.checkpoint.engine_state import load_engine_checkpoint, save_engine_checkpoint
 from zerotune.distributed import comm
+from zerotune.distributed.compression import CompressionStats, TopKCompressor
 from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
 from zerotune.distributed.mpu import ModelParallelUnit
@@ -69,7 +70,7 @@ class Engine(torch.nn.Module):
                  policy: PrecisionPolicy, state: ReplicatedState | ShardedState | Stage3State,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
-                 training_dataloader: Any = None) -> None:
+                 training_dataloader: Any = None, compressor: TopKCompressor | None = None) -> None:
         super().__init__()
         self.module = module
         self._config = config
@@ -82,6 +83,7 @@ class Engine(torch.nn.Module):
         self.loss_scaler = loss_scaler
         self.param_names = param_names
         self.training_dataloader = training_dataloader
+        self.compressor = compressor
         self.timers = WallClockTimers(config.wall_clock_breakdown,
                                       torch.cuda.synchronize if env.device.type == "cuda" else None)
         self.monitor = ScalarWriters.from_config(config.tensorboard, config.csv_monitor, config.wandb, rank=env.rank)
@@ -260,12 +262,31 @@ class Engine(torch.nn.Module):
             self.state.update_model()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
+        scale_before = self.loss_scaler.loss_scale
         self.loss_scaler.update_scale(overflow)
         self._step_applied = not overflow
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
+        if self.compressor is not None:
+            self._advance_compression(overflow, scale_before)
         self._report(overflow)
         self.zero_grad()
+
+    def _advance_compression(self, overflow: bool, scale_before: float) -> None:
+        """Residuals follow the loss scale (they hold scaled gradients) and are dropped after an overflow;
+        the achieved compression is logged with the step report."""
+        compressor = self.compressor
+        if overflow:
+            compressor.drop_residuals()
+        elif self.loss_scaler.loss_scale != scale_before:
+            compressor.rescale_residuals(self.loss_scaler.loss_scale / scale_before)
+        compressor.step = self.global_steps
+        if self.global_steps % self.steps_per_print() == 0 and compressor.stats.dense_bytes:
+            stats = compressor.stats
+            log_rank0("gradient compression: sent %s of %s gradient bytes (%.2f%%) over the last %d step(s)",
+                      f"{stats.sent_bytes:,}", f"{stats.dense_bytes:,}", 100 * stats.ratio, self.steps_per_print(),
+                      rank=self.global_rank)
+            compressor.stats = CompressionStats()
 
     def _report(self, overflow: bool) -> None:
         loss = None

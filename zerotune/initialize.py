@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from zerotune.config import ConfigError, NotSupportedYetError, assert_implemented, load_config, resolve_config
 from zerotune.distributed import comm
+from zerotune.distributed.compression import TopKCompressor
 from zerotune.distributed.env import init_distributed
 from zerotune.distributed.mesh import ProcessMesh, build_mesh
 from zerotune.engine import Engine
@@ -331,6 +332,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                   "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=env.rank)
     state = _build_state(cfg, groups, trainable, policy, mesh, model)
     limit_norm_to_one_holder(state, mesh, model if pipelined else None)
+    compressor = _gradient_compressor(cfg, state)
     torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
     if isinstance(torch_optimizer, Lamb) and not isinstance(state, ReplicatedState):
         raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stages 1-3 is not supported yet: its per-parameter "
@@ -349,11 +351,25 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                     optimizer=torch_optimizer, lr_scheduler=scheduler,
                     loss_scaler=_loss_scaler(cfg), param_names={id(p): n for n, p in model.named_parameters()},
                     training_dataloader=_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu,
-                                                    collate_fn, cfg.dataloader_drop_last))
+                                                    collate_fn, cfg.dataloader_drop_last), compressor=compressor)
     log_rank0("zerotune engine: world %d (dp %d x sp %d x tp %d), ZeRO stage %d, %s, micro-batch %d x GAS %d = batch %d",
               env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage, policy.name,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _gradient_compressor(cfg: Any, state: Any) -> TopKCompressor | None:
+    """Top-K compression plugged into the stage's gradient reductions (``gradient_compression`` block)."""
+    section = cfg.gradient_compression
+    if section is None:
+        return None
+    if cfg.zero_optimization.stage == 3:
+        raise NotSupportedYetError("gradient_compression", "with ZeRO stage 3 is not supported yet (stages 0, 1 "
+                                   "and 2 compress their all-reduce / reduce-scatter / reduce)")
+    compressor = TopKCompressor(section.ratio, error_feedback=bool(section.error_feedback),
+                                warmup_steps=int(section.warmup_steps), min_bucket_numel=int(section.min_bucket_numel))
+    state.grad_sync.compressor = compressor
+    return compressor
 
 
 def _predivide_factor(cfg: Any, mesh: ProcessMesh) -> float:

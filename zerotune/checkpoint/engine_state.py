@@ -12,6 +12,7 @@ Layout of ``<save_dir>/<tag>/`` (written through ``checkpoint.atomic``):
                         every parameter in the flat layout and the rank's [start, end) slice;
 * ``param_shards_rank{r}.pt`` (every rank, ZeRO stage 3) that rank's parameter shards per unit
                         (``model_states.pt`` then holds only what is not partitioned: buffers);
+* ``compression_rank{r}.pt`` (every rank, with ``gradient_compression``) the Top-K error-feedback residuals;
 * ``rng_state_rank{r}.pt`` (every rank) torch / CUDA / Python / NumPy generators, so dropout
                         and sampling continue as if never interrupted.
 """
@@ -52,6 +53,10 @@ def optim_file(engine: Engine) -> str:
     """Stage 0: one optimizer file, or one per pipeline stage and tensor-parallel rank (different parameters)."""
     tp = "" if engine.mesh.size("tp") == 1 else f"_tp_rank{engine.mesh.rank('tp')}"
     return f"optim_states{_stage_part(engine)}{tp}.pt"
+
+
+def compression_file(rank: int) -> str:
+    return f"compression_rank{rank}.pt"
 
 
 def rng_file(rank: int) -> str:
@@ -221,6 +226,8 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             engine.state.placement.copy_files_to(staging / swap_dir(engine.global_rank))
     if _units(engine) is not None:
         write_file_atomically(_param_shards(engine), staging / param_shard_file(engine.global_rank))
+    if engine.compressor is not None:  # error-feedback residuals: part of the training state
+        write_file_atomically(engine.compressor.state_dict(), staging / compression_file(engine.global_rank))
     write_file_atomically(_rng_state(), staging / rng_file(engine.global_rank))
     comm.barrier()
     if engine.global_rank == 0:
@@ -295,6 +302,12 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
     if load_lr_scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     engine.loss_scaler.load_state_dict(saved["loss_scaler"])
+    if engine.compressor is not None:
+        path = directory / compression_file(engine.global_rank)
+        if path.is_file():
+            engine.compressor.load_state_dict(read_file(path, "gradient compression residuals"), engine.device)
+        else:
+            get_logger().warning("%s not found (saved without gradient compression): residuals start at zero", path)
     for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         setattr(engine, counter, saved[counter])
     rng_path = directory / rng_file(engine.global_rank)

@@ -19,6 +19,7 @@ from .sections import (
     BF16Config,
     CheckpointConfig,
     FP16Config,
+    GradientCompressionConfig,
     LRScalingConfig,
     MonitorConfig,
     OptimizerConfig,
@@ -70,6 +71,8 @@ class ZeroTuneConfig(Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO sharding and offload."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    gradient_compression: Optional[GradientCompressionConfig] = None
+    """Top-K gradient compression of the data-parallel reductions (zerotune); absent = dense."""
     """Storage of checkpointed activations."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline parallelism."""

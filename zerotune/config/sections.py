@@ -18,6 +18,7 @@ from .types import (
     AutoNonNegInt,
     AutoPosInt,
     OptAutoPosInt,
+    PosFloat,
     Str,
 )
 
@@ -117,6 +118,28 @@ class PipelineConfig(Section):
         if value in ("best", "parameters", "uniform") or value.startswith("type:"):
             return value
         raise ValueError("expected 'parameters', 'uniform', 'best' or 'type:REGEX'")
+
+
+class GradientCompressionConfig(Section):
+    """``gradient_compression`` (zerotune): Top-K sparsified gradient reductions with error feedback."""
+
+    method: Literal["topk"] = "topk"
+    """Compression method; "topk" keeps the largest-magnitude entries of each gradient bucket."""
+    ratio: PosFloat = 0.01
+    """Fraction of each bucket's entries sent per reduction, in (0, 1]; 1.0 is the uncompressed run."""
+    error_feedback: AutoBool = True
+    """Carry what was not sent into the next reduction (keeps convergence); false drops it."""
+    warmup_steps: AutoNonNegInt = 0
+    """Optimizer steps with dense gradients before compression starts."""
+    min_bucket_numel: AutoNonNegInt = 0
+    """Buckets with fewer elements stay dense (compression overhead outweighs the saving)."""
+
+    @field_validator("ratio")
+    @classmethod
+    def _at_most_one(cls, value: float) -> float:
+        if value > 1:
+            raise ValueError("expected a fraction in (0, 1]")
+        return value
 
 
 class TensorParallelLayerSpec(Section):

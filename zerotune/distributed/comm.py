@@ -140,12 +140,13 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
-                           async_op: bool = False) -> Handle:
-    """Gather every rank's ``input`` into the flat ``output`` (rank order)."""
+                           async_op: bool = False, counter: str = "all_gather") -> Handle:
+    """Gather every rank's ``input`` into the flat ``output`` (rank order). ``counter`` names the
+    statistics entry (compressed gradients count as "sparse_all_gather", apart from parameter gathers)."""
     if group is None:
         output.copy_(input)
-        return Handle("all_gather", None, None)
-    return _run("all_gather", group, _nbytes(output),
+        return Handle(counter, None, None)
+    return _run(counter, group, _nbytes(output),
                 lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op)
 
 

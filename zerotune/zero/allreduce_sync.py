@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from zerotune.distributed import comm
+from zerotune.distributed import comm, compression
 from zerotune.distributed.buckets import Bucket, GradientBuckets
 
 
@@ -41,6 +41,7 @@ class AllReduceGradSync:
         self._communicating = False
         self._grads_in_buckets = all(p.dtype == torch.float32 for p in self.params)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Call before each backward: only the boundary micro-step communicates."""
@@ -68,7 +69,11 @@ class AllReduceGradSync:
     def _launch(self, bucket: Bucket) -> None:
         if self.pre_factor != 1.0:
             bucket.buffer.div_(self.pre_factor)
-        self._handles.append(comm.all_reduce(bucket.buffer, self.group, async_op=True))
+        if self.compressor is not None:
+            self._handles.append(compression.all_reduce(bucket.buffer, self.group, self.compressor,
+                                                        f"all_reduce.{bucket.index}", async_op=True))
+        else:
+            self._handles.append(comm.all_reduce(bucket.buffer, self.group, async_op=True))
 
     def finish(self) -> None:
         """Complete the boundary's communication; afterwards every bucket holds the mean gradient."""

@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from zerotune.distributed import comm
+from zerotune.distributed import comm, compression
 from zerotune.zero.flat_params import FlatParamGroup
 
 
@@ -38,6 +38,7 @@ class ReduceAtBoundaryGradSync:
             [buffer[offset:offset + p.numel()].view(p.shape) for p, offset in zip(fg.params, fg.layout.offsets)]
             for fg, buffer in zip(self.flat_groups, self.grad_buffers)
         ]
+        self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Point every ``param.grad`` at its slot so autograd accumulates into the flat buffer."""
@@ -50,7 +51,7 @@ class ReduceAtBoundaryGradSync:
     def finish(self) -> None:
         """Reduce-scatter each group's gradients; afterwards ``shard_grad(g)`` is this rank's mean gradient."""
         handles = []
-        for fg, buffer, views in zip(self.flat_groups, self.grad_buffers, self._views):
+        for index, (fg, buffer, views) in enumerate(zip(self.flat_groups, self.grad_buffers, self._views)):
             for param, view in zip(fg.params, views):
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                     view.copy_(param.grad)  # autograd replaced the view (e.g. create_graph=True)
@@ -59,7 +60,11 @@ class ReduceAtBoundaryGradSync:
                 buffer.div_(self.pre_factor)
             for lo, hi in fg.chunks(self.bucket_numel):
                 inputs = fg.rank_views(buffer, lo, hi)
-                handles.append(comm.reduce_scatter(inputs[fg.rank], inputs, self.group, async_op=True))
+                if self.compressor is not None:
+                    handles.append(compression.reduce_scatter(inputs[fg.rank], inputs, self.group, self.compressor,
+                                                              f"reduce_scatter.{index}.{lo}", async_op=True))
+                else:
+                    handles.append(comm.reduce_scatter(inputs[fg.rank], inputs, self.group, async_op=True))
         for handle in handles:
             handle.wait()
         if self.post_factor != 1.0:

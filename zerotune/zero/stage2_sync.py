@@ -21,7 +21,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from zerotune.distributed import comm
+from zerotune.distributed import comm, compression
 from zerotune.distributed.buckets import Bucket, BucketPiece, GradientBuckets
 from zerotune.zero.flat_params import FlatParamGroup
 from zerotune.zero.partition import split_at_owner_boundaries
@@ -87,6 +87,7 @@ class BucketedReduceGradSync:
         """``(group, lo, grad)``: a part of a gradient slice is final (last micro-step), e.g. to copy it to the host."""
         params = [p for fg in self.flat_groups for p in fg.params]
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Every micro-step is a communication round; close the previous one first."""
@@ -117,7 +118,12 @@ class BucketedReduceGradSync:
         buffer = self._buffer_for(bucket)  # a bucket nobody wrote (unused parameters) reduces zeros
         if self.pre_factor != 1.0:
             buffer.div_(self.pre_factor)
-        self._in_flight.append((bucket, comm.reduce(buffer, bucket.target.owner, self.group, async_op=True)))
+        if self.compressor is not None:
+            handle = compression.reduce(buffer, bucket.target.owner, self.group, self.compressor,
+                                        f"reduce.{bucket.index}", async_op=True)
+        else:
+            handle = comm.reduce(buffer, bucket.target.owner, self.group, async_op=True)
+        self._in_flight.append((bucket, handle))
         while len(self._in_flight) > self.max_in_flight:
             self._retire_oldest()
 
