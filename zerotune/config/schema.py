@@ -71,9 +71,9 @@ class ZeroTuneConfig(Section):
     zero_optimization: ZeroConfig = Field(default_factory=ZeroConfig)
     """ZeRO sharding and offload."""
     activation_checkpointing: ActivationCheckpointingConfig = Field(default_factory=ActivationCheckpointingConfig)
+    """Storage of checkpointed activations."""
     gradient_compression: Optional[GradientCompressionConfig] = None
     """Top-K gradient compression of the data-parallel reductions (zerotune); absent = dense."""
-    """Storage of checkpointed activations."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline parallelism."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
