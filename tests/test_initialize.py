@@ -84,8 +84,8 @@ def _initialize_error(config: dict, with_args: bool = False) -> tuple[str, str]:
 
 
 def test_unsupported_yet_and_unresolvable_auto_fail_at_initialize() -> None:
-    kind, message = run_distributed(_initialize_error, 2, _base(pipeline={"stages": 2}))[0]
-    assert kind == NotSupportedYetError.__name__ and "pipeline.stages" in message
+    kind, message = run_distributed(_initialize_error, 2, _base(memory_breakdown=True))[0]
+    assert kind == NotSupportedYetError.__name__ and "memory_breakdown" in message
     assert "not supported yet" in message
     auto_batch = {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
                   "gradient_accumulation_steps": "auto"}
