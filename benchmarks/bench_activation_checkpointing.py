@@ -41,7 +41,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from tests.memory_probe import PeakTensorBytes  # noqa: E402
+from tests.memory_probe import PeakTensorBytes, saved_for_backward  # noqa: E402
 from zerotune.parallel.activation_checkpointing import (  # noqa: E402
     CheckpointPolicy,
     apply_activation_checkpointing,
@@ -84,17 +84,9 @@ def step(model: torch.nn.Module, inputs: dict, seed: int = 0) -> float:
 
 def saved_bytes(model: torch.nn.Module, inputs: dict) -> tuple[int, float]:
     """Distinct non-parameter storages saved for backward by one forward; and the loss."""
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()  # alive until backward: pointers are not reused
-        return tensor
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with saved_for_backward(model.parameters()) as storages:
         loss = model(**inputs).loss
     total = sum(storages.values())
     loss.backward()

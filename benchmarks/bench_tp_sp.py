@@ -67,7 +67,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_dp_vs_ddp import _free_port, _storage_bytes
 
-from tests.memory_probe import PeakTensorBytes
+from tests.memory_probe import PeakTensorBytes, saved_for_backward
 
 FLOAT_BYTES = 4
 PARALLEL = 2  # ranks of the tp2 / sp2 variants
@@ -123,17 +123,9 @@ def _saved_and_comm(variant: str, model: torch.nn.Module, batch: dict, group) ->
     """One step: distinct non-parameter storages saved for backward, comm counters, the loss."""
     from zerotune.distributed import comm
 
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    storages: dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in params:
-            storages[storage.data_ptr()] = storage.nbytes()  # alive until backward: pointers are not reused
-        return tensor
     model.zero_grad(set_to_none=True)
     comm.reset_comm_stats()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with saved_for_backward(model.parameters()) as storages:
         loss = forward_loss(variant, model, batch, group)
     loss.backward()
     ops = {op: [s.calls, s.bytes] for op, s in comm.comm_stats().items() if s.calls}

@@ -26,6 +26,9 @@ Cannot be nested, and cannot run while another torch profiler is active.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
 
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
@@ -90,6 +93,24 @@ class PeakTensorBytes:
                 self.freed += released
                 live_total -= released
                 live_by_device[where[0]] -= released
+
+
+@contextmanager
+def saved_for_backward(params: Iterable[torch.Tensor]) -> Iterator[dict[int, int]]:
+    """Distinct non-parameter tensor storages autograd saves for backward inside the block, as
+    {storage pointer: bytes} (filled as the forward runs; views of one buffer count once). Storages stay
+    alive until backward, so a pointer is never reused within one forward."""
+    excluded = {p.untyped_storage().data_ptr() for p in params}
+    storages: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            storages[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield storages
 
 
 def _allocation_events(roots: Iterable) -> Iterator:

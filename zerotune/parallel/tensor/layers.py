@@ -54,6 +54,18 @@ def _check_divisible(what: str, size: int, world: int, parts: int = 1) -> None:
         )
 
 
+def _full_features(weight: torch.Tensor, bias: torch.Tensor | None, weight_layout: str) -> tuple[int, int]:
+    """(out_features, in_features) of a full linear weight stored as ``weight_layout``, with its bias checked."""
+    _check_weight_layout(weight_layout)
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
+    out_features, in_features = weight.shape if weight_layout == "out_in" else weight.shape[::-1]
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"bias must have shape ({out_features},) to match weight {tuple(weight.shape)} "
+                         f"({weight_layout}), got {tuple(bias.shape)}")
+    return out_features, in_features
+
+
 def _full_linear_tensors(in_features: int, out_features: int, bias: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A full ``[out, in]`` weight (and bias) initialized exactly as ``nn.Linear`` would, from the current
     RNG: with the same seed every tp rank builds the same full model, then keeps its own shard."""
@@ -104,13 +116,7 @@ class ColumnParallelLinear(nn.Module):
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None, *,
                   weight_layout: str = "out_in", parts: int = 1, gather_output: bool = False) -> ColumnParallelLinear:
         """Shard existing full tensors (e.g. a loaded HF layer's) instead of initializing new ones."""
-        _check_weight_layout(weight_layout)
-        if weight.dim() != 2:
-            raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
-        out_features, in_features = weight.shape if weight_layout == "out_in" else weight.shape[::-1]
-        if bias is not None and tuple(bias.shape) != (out_features,):
-            raise ValueError(f"bias must have shape ({out_features},) to match weight {tuple(weight.shape)} "
-                             f"({weight_layout}), got {tuple(bias.shape)}")
+        out_features, in_features = _full_features(weight, bias, weight_layout)
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module._configure(in_features, out_features, group, gather_output, weight_layout, parts)
@@ -176,13 +182,7 @@ class RowParallelLinear(nn.Module):
     def from_full(cls, weight: torch.Tensor, bias: torch.Tensor | None, group: dist.ProcessGroup | None, *,
                   weight_layout: str = "out_in", input_is_parallel: bool = True) -> RowParallelLinear:
         """Shard existing full tensors (e.g. a loaded HF layer's) instead of initializing new ones."""
-        _check_weight_layout(weight_layout)
-        if weight.dim() != 2:
-            raise ValueError(f"weight must be 2-D, got shape {tuple(weight.shape)}")
-        out_features, in_features = weight.shape if weight_layout == "out_in" else weight.shape[::-1]
-        if bias is not None and tuple(bias.shape) != (out_features,):
-            raise ValueError(f"bias must have shape ({out_features},) to match weight {tuple(weight.shape)} "
-                             f"({weight_layout}), got {tuple(bias.shape)}")
+        out_features, in_features = _full_features(weight, bias, weight_layout)
         module = cls.__new__(cls)
         nn.Module.__init__(module)
         module._configure(in_features, out_features, group, input_is_parallel, weight_layout)
