@@ -111,6 +111,22 @@ def test_tp2_x_dp2_with_zero_matches_single_process(kind, stage):
         assert_close_traces(trace, expected, rel=1e-5)
 
 
+def _mixed_run(precision: str) -> list[float]:
+    config = {**_config(1, 2, 1), precision: {"enabled": True}}
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=config)
+    trace = engine_run(engine, gpt2_batch, steps=STEPS, gas=GAS, global_rows=ROWS)
+    assert engine.skipped_steps == 0
+    return trace.losses
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_tp2_in_bf16_and_fp16_tracks_the_fp32_reference_within_2_percent(precision):
+    expected, _ = _reference("gpt2")
+    for losses in run_distributed(_mixed_run, 2, precision, timeout=180):
+        for got, want in zip(losses, expected.losses):
+            assert abs(got - want) <= 0.02 * want
+
+
 def _save_resume(stage: int, directory: str) -> tuple[list[float], list[float]]:
     """Train 3 steps, save, train 3 more; then a fresh engine loads the checkpoint and trains the same 3."""
     config = _config(stage, 2, torch.distributed.get_world_size() // 2)

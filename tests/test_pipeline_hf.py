@@ -30,12 +30,15 @@ def _reference(kind: str) -> Trace:
     return reference_run(model, optimizer, gpt2_batch, steps=STEPS, gas=GAS, global_rows=ROWS, clip=CLIP)
 
 
-def _run(kind: str, stages: int, tp: int, zero_stage: int, schedule: str, export: str | None = None) -> Trace:
+def _run(kind: str, stages: int, tp: int, zero_stage: int, schedule: str, export: str | None = None,
+         precision: str | None = None) -> Trace:
     dp = dist.get_world_size() // (stages * tp)
     config = {"train_micro_batch_size_per_gpu": ROWS // dp, "gradient_accumulation_steps": GAS,
               "gradient_clipping": CLIP, "zero_optimization": {"stage": zero_stage},
               "pipeline": {"stages": stages, "schedule": schedule}, "tensor_parallel": {"autotp_size": tp},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    if precision is not None:
+        config[precision] = {"enabled": True}
     engine, *_ = zerotune.initialize(model=_make(kind), config=config)
     mpu = engine.mpu
     assert (mpu.get_pipe_parallel_world_size(), mpu.get_data_parallel_world_size(),
@@ -69,3 +72,11 @@ def test_3d_pipeline_data_tensor_2x2x2_with_zero1_matches_single_process():
     expected = _reference("gpt2")
     for trace in run_distributed(_run, 8, "gpt2", 2, 2, 1, "1f1b", timeout=400):
         assert_close_traces(trace, expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_two_stages_in_bf16_and_fp16_track_the_fp32_reference_within_2_percent(precision):
+    expected = _reference("gpt2")
+    for trace in run_distributed(_run, 2, "gpt2", 2, 1, 1, "1f1b", None, precision, timeout=180):
+        for got, want in zip(trace.losses, expected.losses):
+            assert abs(got - want) <= 0.02 * want
