@@ -30,6 +30,7 @@ from zerotune.pipe.engine import PipelineEngine
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.setup import build_pipeline, check_pipeline_composes
 from zerotune.parallel.activation_checkpointing import configure as configure_activation_checkpointing
+from zerotune.optim.onebit_adam import OneBitAdam
 from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import policy_from_flags
@@ -334,6 +335,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     limit_norm_to_one_holder(state, mesh, model if pipelined else None)
     compressor = _gradient_compressor(cfg, state)
     torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
+    if isinstance(torch_optimizer, OneBitAdam):
+        if not isinstance(state, ReplicatedState) or compressor is not None:
+            raise ConfigError("optimizer.type", "OneBitAdam needs ZeRO stage 0 and no gradient_compression block (it "
+                                                "compresses the momentum itself; DeepSpeed's refuses ZeRO too)")
+        torch_optimizer.comm_group = mesh.group("dp_sp")
     if isinstance(torch_optimizer, Lamb) and not isinstance(state, ReplicatedState):
         raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stages 1-3 is not supported yet: its per-parameter "
                                                      "trust ratios need whole parameters; use stage 0 or Adam/AdamW")

@@ -12,7 +12,8 @@ Layout of ``<save_dir>/<tag>/`` (written through ``checkpoint.atomic``):
                         every parameter in the flat layout and the rank's [start, end) slice;
 * ``param_shards_rank{r}.pt`` (every rank, ZeRO stage 3) that rank's parameter shards per unit
                         (``model_states.pt`` then holds only what is not partitioned: buffers);
-* ``compression_rank{r}.pt`` (every rank, with ``gradient_compression``) the Top-K error-feedback residuals;
+* ``compression_rank{r}.pt`` (every rank, with ``gradient_compression`` or OneBitAdam) the error-feedback
+                        state: Top-K residuals, OneBitAdam's worker / server errors and step count;
 * ``rng_state_rank{r}.pt`` (every rank) torch / CUDA / Python / NumPy generators, so dropout
                         and sampling continue as if never interrupted.
 """
@@ -57,6 +58,24 @@ def optim_file(engine: Engine) -> str:
 
 def compression_file(rank: int) -> str:
     return f"compression_rank{rank}.pt"
+
+
+def _compression_state(engine: Engine) -> dict:
+    """This rank's error-feedback state: Top-K residuals and OneBitAdam's worker / server errors."""
+    state = {}
+    if engine.compressor is not None:
+        state["topk"] = engine.compressor.state_dict()
+    if hasattr(engine.optimizer, "error_state_dict"):
+        state["onebit"] = engine.optimizer.error_state_dict()
+    return state
+
+
+def _load_compression_state(engine: Engine, saved: dict) -> None:
+    if engine.compressor is not None and "topk" in saved:
+        engine.compressor.load_state_dict(saved["topk"], engine.device)
+    if hasattr(engine.optimizer, "load_error_state_dict") and "onebit" in saved:
+        engine.optimizer.load_error_state_dict(saved["onebit"], engine.device)
+        engine.grad_sync.local_only = engine.optimizer.takes_local_gradients
 
 
 def rng_file(rank: int) -> str:
@@ -226,8 +245,9 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             engine.state.placement.copy_files_to(staging / swap_dir(engine.global_rank))
     if _units(engine) is not None:
         write_file_atomically(_param_shards(engine), staging / param_shard_file(engine.global_rank))
-    if engine.compressor is not None:  # error-feedback residuals: part of the training state
-        write_file_atomically(engine.compressor.state_dict(), staging / compression_file(engine.global_rank))
+    compression_state = _compression_state(engine)
+    if compression_state:  # error-feedback buffers differ per rank: part of the training state
+        write_file_atomically(compression_state, staging / compression_file(engine.global_rank))
     write_file_atomically(_rng_state(), staging / rng_file(engine.global_rank))
     comm.barrier()
     if engine.global_rank == 0:
@@ -302,12 +322,12 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
     if load_lr_scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     engine.loss_scaler.load_state_dict(saved["loss_scaler"])
-    if engine.compressor is not None:
+    if _compression_state(engine):
         path = directory / compression_file(engine.global_rank)
         if path.is_file():
-            engine.compressor.load_state_dict(read_file(path, "gradient compression residuals"), engine.device)
+            _load_compression_state(engine, read_file(path, "gradient compression residuals"))
         else:
-            get_logger().warning("%s not found (saved without gradient compression): residuals start at zero", path)
+            get_logger().warning("%s not found (saved without compression): error feedback starts at zero", path)
     for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         setattr(engine, counter, saved[counter])
     rng_path = directory / rng_file(engine.global_rank)

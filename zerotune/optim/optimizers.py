@@ -27,18 +27,18 @@ import torch
 
 from zerotune.config.errors import ConfigError, NotSupportedYetError
 from zerotune.optim.lamb import Lamb
+from zerotune.optim.onebit_adam import OneBitAdam
 from zerotune.optim.validation import check_known_keys, did_you_mean, reject_auto_values
 
 # Canonical spellings (DeepSpeed's, or torch.optim's class name for the pass-through ones).
 OPTIMIZER_NAMES: tuple[str, ...] = (
-    "Adam", "AdamW", "SGD", "Adagrad", "Lamb",
+    "Adam", "AdamW", "SGD", "Adagrad", "Lamb", "OneBitAdam",
     "RMSprop", "Adadelta", "Adamax", "NAdam", "RAdam", "ASGD", "Rprop", "Adafactor",
 )  # fmt: skip
 _CANONICAL = {name.lower(): name for name in OPTIMIZER_NAMES}
 
 # lowercase name -> (display name, nearest supported type, why it is not supported).
 _UNSUPPORTED: dict[str, tuple[str, str, str]] = {
-    "onebitadam": ("OneBitAdam", "Adam", "1-bit compressed communication is not implemented"),
     "zerooneadam": ("ZeroOneAdam", "Adam", "0/1 Adam's compressed communication is not implemented"),
     "onebitlamb": ("OneBitLamb", "Lamb", "1-bit compressed communication is not implemented"),
     "muadam": ("MuAdam", "Adam", "muP width-scaled learning rates are not implemented"),
@@ -194,7 +194,7 @@ def _betas_tuple(betas: Any, path: str) -> tuple[float, float]:
 
 
 def _optimizer_class(canonical: str) -> type[torch.optim.Optimizer]:
-    return Lamb if canonical == "Lamb" else getattr(torch.optim, canonical)
+    return {"Lamb": Lamb, "OneBitAdam": OneBitAdam}.get(canonical) or getattr(torch.optim, canonical)
 
 
 def _constructor_parameters(optimizer_class: type) -> dict[str, inspect.Parameter]:

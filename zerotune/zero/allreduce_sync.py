@@ -42,6 +42,8 @@ class AllReduceGradSync:
         self._grads_in_buckets = all(p.dtype == torch.float32 for p in self.params)
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
         self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
+        # An optimizer that averages something else (OneBitAdam's momentum) takes each rank's own gradient.
+        self.local_only = False
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Call before each backward: only the boundary micro-step communicates."""
@@ -67,6 +69,8 @@ class AllReduceGradSync:
             self.buckets.mark_ready(param)
 
     def _launch(self, bucket: Bucket) -> None:
+        if self.local_only:
+            return
         if self.pre_factor != 1.0:
             bucket.buffer.div_(self.pre_factor)
         if self.compressor is not None:
@@ -82,7 +86,7 @@ class AllReduceGradSync:
             handle.wait()
         self._handles = []
         self._communicating = False
-        if self.post_factor != 1.0:
+        if self.post_factor != 1.0 and not self.local_only:
             for bucket in self.buckets.buckets:
                 bucket.buffer.mul_(self.post_factor)
 

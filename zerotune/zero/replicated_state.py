@@ -7,6 +7,7 @@ and identical on all ranks), so the global norm needs no communication.
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Sequence
 
 import torch
@@ -50,6 +51,11 @@ class ReplicatedState:
         return [self.grad_sync.grad_of(p) for p in self.params]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
+        if self.grad_sync.local_only:  # per-rank gradients: the root mean square of the ranks' norms, the same
+            group = self.grad_sync.group  # on every rank, so clipping and overflow skips stay in step
+            world = 1 if group is None else dist.get_world_size(group)
+            return global_grad_norm(grads, shard_group=group, model_groups=self._model_groups,
+                                    skip=self._norm_skip) / math.sqrt(world)
         if self._model_groups:
             return global_grad_norm(grads, model_groups=self._model_groups, skip=self._norm_skip)
         return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
