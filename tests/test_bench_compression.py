@@ -35,9 +35,9 @@ def test_bench_compression_counts_bytes_and_plots(tmp_path, stage):
                   "--out", str(png))
     assert result.returncode in (0, 1), result.stdout + result.stderr
     out = result.stdout
-    rows = {line.split("  ")[0].strip(): line.split() for line in out.splitlines()
-            if line.startswith(("dense ", "topk "))}
-    assert set(rows) == {"dense", "topk 0.1 +EF", "topk 0.01 +EF", "topk 0.01 no EF"}, out
+    names = ("dense", "topk 0.1 +EF", "topk 0.01 +EF", "topk 0.01 no EF")
+    rows = {name: line.split() for line in out.splitlines() for name in names if line.startswith(name + " ")}
+    assert set(rows) == set(names), out
     # x dense of the gradient bytes: the column after "grad KiB/step" (names are 2-3 words)
     x_dense = {name: float(cells[len(name.split()) + 1]) for name, cells in rows.items()}
     assert x_dense["dense"] == 1.0
