@@ -30,7 +30,7 @@ from zerotune.monitor.logging import log_rank0
 from zerotune.monitor.step_report import StepReporter
 from zerotune.monitor.timers import WallClockTimers
 from zerotune.monitor.writers import ScalarWriters
-from zerotune.parallel.sequence.batch import combine_sequence_parallel_loss, shard_sequence_batch
+from zerotune.parallel.sequence.batch import sequence_parallel_forward
 from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.replicated_state import ReplicatedState
@@ -197,23 +197,8 @@ class Engine(torch.nn.Module):
             args, kwargs = _map_tensors(args, cast), _map_tensors(kwargs, cast)
         with self.timers("forward"):
             if self.mesh.size("sp") > 1:
-                return self._sequence_parallel_forward(args, kwargs)
+                return sequence_parallel_forward(self.module, self.mesh.group("sp"), args, kwargs)
             return self.module(*args, **kwargs)
-
-    def _sequence_parallel_forward(self, args: tuple, kwargs: dict) -> Any:
-        """Cut the full-sequence batch to this rank's tokens, run, and return the full-sequence loss
-        (see ``parallel/sequence/batch.py``): scripts feed whole sequences and see whole-sequence losses."""
-        if args:
-            raise TypeError("with sequence_parallel_size > 1 the engine needs the Hugging Face keyword inputs "
-                            "(engine(input_ids=..., labels=..., attention_mask=...)), not positional ones")
-        group = self.mesh.group("sp")
-        output = self.module(**shard_sequence_batch(kwargs, group, self.module))
-        if isinstance(output, torch.Tensor):
-            return combine_sequence_parallel_loss(output, group)
-        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
-        if isinstance(loss, torch.Tensor):
-            output["loss"] = combine_sequence_parallel_loss(loss, group)
-        return output
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / GAS * loss_scale``; gradients accumulate in fp32 buckets."""

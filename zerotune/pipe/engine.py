@@ -41,6 +41,11 @@ from zerotune.pipe.p2p import ACTIVATION_TAG, GRADIENT_TAG, as_tuple, recv_tenso
 from zerotune.pipe.schedule import build_schedule
 
 
+def _schedule_only(method: str) -> RuntimeError:
+    return RuntimeError(f"engine.{method}() is not available with pipeline parallelism: use engine.train_batch(data_iter) "
+                        "/ engine.eval_batch(data_iter) (the pipeline schedule runs forward, backward and step)")
+
+
 def default_batch_fn(batch: Any) -> tuple[Any, Any]:
     """DeepSpeed's batch format for pipelines: ``(inputs, labels)``."""
     if isinstance(batch, (list, tuple)) and len(batch) == 2:
@@ -78,14 +83,13 @@ class PipelineEngine(Engine):
         self.batch_fn = fn
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError("with pipeline parallelism use engine.train_batch(data_iter) / engine.eval_batch(data_iter) "
-                           "(forward, backward and step are run by the pipeline schedule)")
+        raise _schedule_only("forward")
 
     def backward(self, *args: Any, **kwargs: Any) -> Any:
-        self.forward()
+        raise _schedule_only("backward")
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        self.forward()
+        raise _schedule_only("step")
 
     # ---- one batch -------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:

@@ -150,3 +150,19 @@ def combine_sequence_parallel_loss(local_loss: torch.Tensor, group: dist.Process
     averaged over dp -- exactly the gradient of the full-sequence batch, with no sp-specific sync.
     """
     return _CombineLoss.apply(local_loss, group)
+
+
+def sequence_parallel_forward(model: nn.Module, group: dist.ProcessGroup | None, args: tuple,
+                              kwargs: dict[str, Any]) -> Any:
+    """The engine's forward under sequence parallelism: cut the full-sequence batch to this rank's tokens,
+    run, and return the full-sequence loss -- scripts feed whole sequences and see whole-sequence losses."""
+    if args:
+        raise TypeError("with sequence_parallel_size > 1 the engine needs the Hugging Face keyword inputs "
+                        "(engine(input_ids=..., labels=..., attention_mask=...)), not positional ones")
+    output = model(**shard_sequence_batch(kwargs, group, model))
+    if isinstance(output, torch.Tensor):
+        return combine_sequence_parallel_loss(output, group)
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        output["loss"] = combine_sequence_parallel_loss(loss, group)
+    return output
