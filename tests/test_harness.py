@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from tests import harness
 from tests.harness import DistributedTestError, run_distributed, shutdown_pools, worker_pids
 
 
@@ -187,10 +190,28 @@ def test_first_call_timeout_does_not_include_pool_start():
 
 
 def test_pool_that_cannot_start_in_time_is_an_error_not_a_hang(monkeypatch):
+    """Workers told to rendezvous at a port where nothing listens can never join the group.
+
+    (A tiny start timeout alone is not a reliable hang: a warm forkserver can start and join a
+    2-rank group within 10 ms, which made this test flaky on a fast machine.)
+    """
     shutdown_pools()
-    monkeypatch.setattr("tests.harness.POOL_START_TIMEOUT_S", 0.01)
-    with pytest.raises(DistributedTestError, match="starting a pool of 2 gloo workers") as caught:
-        run_distributed(describe_rank, 2)
+    start_workers = harness._start_workers
+
+    def start_workers_at_a_dead_rendezvous(context, pool):
+        real_store = pool.store
+        pool.store = SimpleNamespace(port=dead_port.getsockname()[1])
+        try:
+            start_workers(context, pool)
+        finally:
+            pool.store = real_store
+
+    with socket.socket() as dead_port:  # bound, never listening: connections are refused
+        dead_port.bind(("127.0.0.1", 0))
+        monkeypatch.setattr("tests.harness._start_workers", start_workers_at_a_dead_rendezvous)
+        monkeypatch.setattr("tests.harness.POOL_START_TIMEOUT_S", 1.0)
+        with pytest.raises(DistributedTestError, match="starting a pool of 2 gloo workers") as caught:
+            run_distributed(describe_rank, 2)
     assert caught.value.hung_ranks == [0, 1]
     assert worker_pids(2) == []
     monkeypatch.undo()
