@@ -1,8 +1,6 @@
-"""The test-side memory probe: peaks of known allocation sequences, resize_, gloo collectives, overhead."""
+"""The test-side memory probe: peaks of known allocation sequences, resize_, gloo collectives, a 10M-parameter step."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 import torch
@@ -124,7 +122,8 @@ def _gpt2_10m():
     return GPT2LMHeadModel(config)
 
 
-def test_forward_backward_of_a_10m_model_measured_correctly_at_acceptable_cost():
+def test_forward_backward_of_a_10m_model_is_measured_correctly():
+    """The probe's slowdown of this step is measured by benchmarks/bench_instrumentation_overhead.py."""
     model = _gpt2_10m()
     numel = sum(p.numel() for p in model.parameters())
     assert 9_000_000 < numel < 11_000_000
@@ -134,27 +133,12 @@ def test_forward_backward_of_a_10m_model_measured_correctly_at_acceptable_cost()
         model.zero_grad(set_to_none=True)
         model(input_ids=ids, labels=ids).loss.backward()
 
-    def probed_step() -> PeakTensorBytes:
-        with PeakTensorBytes() as probe:
-            step()
-        return probe
-
-    step()  # warm-up: lazy initialisation outside the timings
-    plain, probed = [], []
-    for _ in range(3):
-        start = time.perf_counter()
+    step()  # warm-up: lazy initialisation outside the probe
+    with PeakTensorBytes() as probe:
         step()
-        plain.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        probe = probed_step()
-        probed.append(time.perf_counter() - start)
     # What is left alive is exactly the new fp32 gradients: an independent check of the bookkeeping.
     assert 4 * numel <= probe.live_at_exit <= 4 * numel + SLACK, probe.summary()
     assert probe.peak > 4 * numel  # activations saved for backward come on top
-    slowdown = min(probed) / min(plain)
-    print(f"probe overhead on a {numel / 1e6:.1f}M-parameter GPT-2 forward/backward: "
-          f"{min(plain) * 1e3:.0f} ms -> {min(probed) * 1e3:.0f} ms ({slowdown:.2f}x); {probe.summary()}")
-    assert slowdown < 3.0, f"probe slows a training step {slowdown:.2f}x"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

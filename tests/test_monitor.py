@@ -99,19 +99,16 @@ def test_timers_misuse_is_a_clear_error():
         timers.start("forward")
 
 
-def test_disabled_timers_do_nothing_and_cost_next_to_nothing():
+def test_disabled_timers_do_nothing():
+    """Their cost per call is measured by benchmarks/bench_instrumentation_overhead.py."""
     calls = []
     timers = WallClockTimers(enabled=False, synchronize=lambda: calls.append(1))
     timers.stop("never-started")  # no error: disabled timers ignore everything
-    n = 20000
-    begin = time.perf_counter()
-    for _ in range(n):
+    for _ in range(100):
         with timers("forward"):
             pass
-    per_call_s = (time.perf_counter() - begin) / n
     assert calls == [] and timers.window_means_ms() == {}
     assert timers("a") is timers("b")  # one shared no-op context, nothing allocated
-    assert per_call_s < 5e-6
 
 
 # --- writers -------------------------------------------------------------------------
