@@ -13,40 +13,33 @@ Output shapes, so the training loop needs no per-source code:
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import json
 import math
 import pathlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import datasets
 import yaml
 
 from zerotune.finetune import assets
+from zerotune.finetune.data_files import (
+    DataError,
+    describe_files,
+    load_files,
+    load_with_builder,
+    one_line,
+    quiet_datasets,
+)
 
-_BUILDER_BY_SUFFIX = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
-_COMPRESSION_SUFFIXES = {".bz2", ".gz", ".xz"}
+__all__ = [
+    "BUNDLED_CAUSAL_LM", "BUNDLED_CLASSIFICATION", "DataError", "DataSpec", "check_num_labels",
+    "load_causal_lm_data", "load_chatterbot_qa", "load_classification_data", "load_files",
+]
+
 BUNDLED_CLASSIFICATION = ("rotten_tomatoes",)
 BUNDLED_CAUSAL_LM = ("chatterbot_corpus_english",)
 ROTTEN_TOMATOES_LABELS = ["rotten", "fresh"]  # rotten -> 0, fresh -> 1 (negative / positive)
-
-
-class DataError(ValueError):
-    """Bad training data or data settings; the message is one line meant for the user."""
-
-
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """No per-call progress bars: with several ranks they only interleave into noise."""
-    was_enabled = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            datasets.enable_progress_bars()
 
 
 @dataclass
@@ -72,7 +65,7 @@ class DataSpec:
 # ----------------------------------------------------------------------------- public loaders
 
 
-@_quiet_datasets()
+@quiet_datasets()
 def load_classification_data(spec: DataSpec) -> tuple[datasets.Dataset, datasets.Dataset, list[str]]:
     """Train and eval sets with ``text`` [``text_pair``] and ``label`` ids, plus the label names.
 
@@ -103,7 +96,7 @@ def _load_local_classification(spec: DataSpec) -> tuple[datasets.Dataset, datase
     return train, evaluation, label_names
 
 
-@_quiet_datasets()
+@quiet_datasets()
 def load_causal_lm_data(
     spec: DataSpec, *, prompt_column: str | None = None, response_column: str | None = None
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
@@ -145,7 +138,7 @@ def load_chatterbot_qa(directory: str | pathlib.Path | None = None, *, fetch: bo
         try:
             document = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as error:
-            raise DataError(f"cannot parse {path} as YAML: {_one_line(error)}") from None
+            raise DataError(f"cannot parse {path} as YAML: {one_line(error)}") from None
         conversations = document.get("conversations") if isinstance(document, dict) else None
         if not isinstance(conversations, list):
             raise DataError(f"{path} has no 'conversations' list; expected {{'conversations': [[question, answer, ...], ...]}}")
@@ -158,7 +151,7 @@ def load_chatterbot_qa(directory: str | pathlib.Path | None = None, *, fetch: bo
 # ----------------------------------------------------------------------------- tokenization
 
 
-@_quiet_datasets()
+@quiet_datasets()
 def check_num_labels(label_names: Sequence[str], num_labels: int | None) -> None:
     """The model's classification head must have one output per label found in the data."""
     if num_labels is not None and num_labels != len(label_names):
@@ -167,113 +160,6 @@ def check_num_labels(label_names: Sequence[str], num_labels: int | None) -> None
             f"num_labels is {num_labels} but the data has {len(label_names)} distinct labels ({shown}); "
             f"set num_labels to {len(label_names)} or check the label column"
         )
-
-
-# ----------------------------------------------------------------------------- file loading
-
-
-@_quiet_datasets()
-def load_files(files: Sequence[str] | None, role: str = "train") -> datasets.Dataset:
-    """One ``Dataset`` from local files of one format (CSV, TSV, JSON, JSONL, parquet, text).
-
-    Text files give one example per non-blank line in a ``text`` column. A ``.json`` file may
-    hold JSON lines, a list of records, or one object of equal-length column lists.
-    """
-    if not files:
-        raise DataError(f"no {role} data files given")
-    paths = [pathlib.Path(f) for f in files]
-    for path in paths:
-        if not path.is_file():
-            problem = "is not a file" if path.exists() else "does not exist"
-            raise DataError(f"{role} data file {str(path)!r} {problem}")
-    builders = {_builder_for(path) for path in paths}
-    if len(builders) > 1:
-        raise DataError(f"{role} data files mix formats ({', '.join(sorted(builders))}); give files of one format")
-    builder = builders.pop()
-    if builder == "json" and any(_is_json_columns_object(p) for p in paths):
-        return _concatenate([_load_json_columns_object(p) for p in paths], role, paths)
-    try:
-        dataset = _load_with_builder(builder, paths)
-    except DataError:
-        raise
-    except Exception as error:  # noqa: BLE001 -- re-raised as one line naming the culprit file
-        raise _parse_error(builder, paths, error) from None
-    if builder == "text":
-        dataset = dataset.filter(lambda row: bool(row["text"].strip()), desc="dropping blank lines")
-    if len(dataset) == 0:
-        raise DataError(f"{role} data ({_describe(paths)}) has no rows")
-    return dataset
-
-
-def _builder_for(path: pathlib.Path) -> str:
-    suffixes = [s.lower() for s in path.suffixes]
-    if suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:
-        suffixes = suffixes[:-1]
-    suffix = suffixes[-1] if suffixes else ""
-    if suffix not in _BUILDER_BY_SUFFIX:
-        supported = ", ".join(sorted(_BUILDER_BY_SUFFIX))
-        raise DataError(
-            f"data file {str(path)!r} has an unsupported type {suffix or '(no suffix)'!r}; "
-            f"supported: {supported} (optionally .bz2/.gz/.xz)"
-        )
-    return _BUILDER_BY_SUFFIX[suffix]
-
-
-def _load_with_builder(builder: str, paths: list[pathlib.Path]) -> datasets.Dataset:
-    options = {"delimiter": "\t"} if builder == "tsv" else {}
-    name = "csv" if builder == "tsv" else builder
-    return datasets.load_dataset(name, data_files=[str(p) for p in paths], split="train", **options)
-
-
-def _parse_error(builder: str, paths: list[pathlib.Path], error: Exception) -> DataError:
-    """Name the file that failed: with several files, load them one by one to find it."""
-    culprit, cause = paths[0], error
-    if len(paths) > 1:
-        for path in paths:
-            try:
-                _load_with_builder(builder, [path])
-            except Exception as single_error:  # noqa: BLE001
-                culprit, cause = path, single_error
-                break
-        else:  # each file parses alone: they disagree with each other (columns or types)
-            return DataError(f"data files {_describe(paths)} do not combine (different columns or types?): {_one_line(error)}")
-    root_cause = cause.__cause__ or cause.__context__ or cause
-    if "corresponds to no data" in str(cause) or type(root_cause).__name__ in ("EmptyDataError", "SchemaInferenceError"):
-        return DataError(f"data file {str(culprit)!r} has no rows")
-    return DataError(f"cannot parse data file {str(culprit)!r} as {builder}: {_one_line(root_cause)}")
-
-
-def _is_json_columns_object(path: pathlib.Path) -> bool:
-    """True for a ``.json`` file holding one object of column lists (``{"text": [...], ...}``)."""
-    if path.suffix.lower() != ".json":
-        return False
-    with open(path, encoding="utf-8", errors="replace") as handle:
-        head = handle.read(4096).lstrip()
-    if not head.startswith("{"):
-        return False
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError):
-        return False  # JSON lines (several objects) or broken: the json builder reports it
-    return isinstance(document, dict) and bool(document) and all(isinstance(v, list) for v in document.values())
-
-
-def _load_json_columns_object(path: pathlib.Path) -> datasets.Dataset:
-    document = json.loads(path.read_text(encoding="utf-8"))
-    lengths = {name: len(values) for name, values in document.items()}
-    if len(set(lengths.values())) > 1:
-        raise DataError(f"data file {str(path)!r}: column lists have different lengths {lengths}")
-    return datasets.Dataset.from_dict(document)
-
-
-def _concatenate(parts: list[datasets.Dataset], role: str, paths: list[pathlib.Path]) -> datasets.Dataset:
-    try:
-        dataset = datasets.concatenate_datasets(parts)
-    except ValueError as error:
-        raise DataError(f"{role} data files {_describe(paths)} do not combine: {_one_line(error)}") from None
-    if len(dataset) == 0:
-        raise DataError(f"{role} data ({_describe(paths)}) has no rows")
-    return dataset
 
 
 # ----------------------------------------------------------------------------- columns, labels, splits
@@ -309,7 +195,7 @@ def _select_columns(dataset: datasets.Dataset, columns: dict[str, str], files: S
             close = difflib.get_close_matches(column, available, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise DataError(
-                f"{role} column {column!r} not found in {_describe(files)}; available columns: {', '.join(available)}{hint}"
+                f"{role} column {column!r} not found in {describe_files(files)}; available columns: {', '.join(available)}{hint}"
             )
     dataset = dataset.select_columns(list(columns.values()))
     renames = {given: canonical for canonical, given in columns.items() if given != canonical}
@@ -323,7 +209,7 @@ def _check_no_missing(dataset: datasets.Dataset, canonical: list[str], columns: 
         bad = [i for i, v in enumerate(values) if v is None or (isinstance(v, str) and not v.strip())]
         if bad:
             raise DataError(
-                f"{len(bad)} row(s) of {_describe(files)} have an empty {columns[name]!r} value "
+                f"{len(bad)} row(s) of {describe_files(files)} have an empty {columns[name]!r} value "
                 f"(first at row {bad[0]}); remove or fill them"
             )
 
@@ -356,7 +242,7 @@ def _normalized_labels(dataset: datasets.Dataset, label_column: str, files: Sequ
     missing = [i for i, v in enumerate(values) if v is None or (isinstance(v, float) and math.isnan(v))]
     if missing:
         raise DataError(
-            f"{len(missing)} row(s) of {_describe(files)} have no {label_column!r} value "
+            f"{len(missing)} row(s) of {describe_files(files)} have no {label_column!r} value "
             f"(first at row {missing[0]}); remove or fill them"
         )
     normalized = []
@@ -400,7 +286,7 @@ def _truncate(dataset: datasets.Dataset, limit: int | None, seed: int) -> datase
 def _load_rotten_tomatoes() -> datasets.Dataset:
     """Review snippets with fresh (1) / rotten (0) labels; the file's plot summaries are dropped."""
     path = assets.asset_path("rotten_tomatoes")
-    dataset = _load_with_builder("csv", [path]).select_columns(["text", "category"])
+    dataset = load_with_builder("csv", [path]).select_columns(["text", "category"])
     dataset = dataset.filter(lambda row: row["category"] in ROTTEN_TOMATOES_LABELS, desc="keeping reviews")
     dataset = dataset.map(
         lambda row: {"label": ROTTEN_TOMATOES_LABELS.index(row["category"])},
@@ -408,16 +294,3 @@ def _load_rotten_tomatoes() -> datasets.Dataset:
         desc="labels",
     )
     return dataset.cast_column("label", datasets.ClassLabel(names=ROTTEN_TOMATOES_LABELS))
-
-
-# ----------------------------------------------------------------------------- small helpers
-
-
-def _describe(files: Sequence[str | pathlib.Path] | None) -> str:
-    names = [str(f) for f in files or []]
-    return ", ".join(repr(n) for n in names[:3]) + (f" (+{len(names) - 3} more)" if len(names) > 3 else "")
-
-
-def _one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return (text[:300] + "...") if len(text) > 300 else text or type(error).__name__

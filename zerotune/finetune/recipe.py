@@ -36,7 +36,10 @@ from zerotune.config import load_config, resolve_config
 from zerotune.config.batch import GAS, MICRO, TBS, solve_batch
 from zerotune.config.errors import ConfigError
 from zerotune.config.files import YAML_SUFFIXES, read_config_file
-from zerotune.config.loading import _plain_copy, normalize_keys  # _plain_copy is private; reused, not duplicated
+from zerotune.config.loading import (  # _plain_copy is private; reused, not duplicated
+    _plain_copy,
+    normalize_keys,
+)
 from zerotune.config.pydantic_errors import show_value, translate
 from zerotune.config.schema import ZeroTuneConfig
 from zerotune.config.tree import set_path

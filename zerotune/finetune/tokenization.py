@@ -13,7 +13,7 @@ from typing import Any
 
 import datasets
 
-from zerotune.finetune.data import DataError, _quiet_datasets
+from zerotune.finetune.data_files import DataError, quiet_datasets
 
 IGNORE_INDEX = -100  # label id the HF losses skip: prompt tokens and padding
 
@@ -34,7 +34,7 @@ def tokenize_classification(dataset: datasets.Dataset, tokenizer: Any, max_lengt
     return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing")
 
 
-@_quiet_datasets()
+@quiet_datasets()
 def tokenize_causal_lm(
     dataset: datasets.Dataset, tokenizer: Any, max_length: int, *, use_chat_template: bool = True
 ) -> datasets.Dataset:
