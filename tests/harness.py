@@ -182,7 +182,9 @@ def worker_pids(world_size: int) -> list[int]:
 
 def _forkserver_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
-    preload = ["torch", "torch.distributed", __name__]
+    # pytest too: every test module imports it, and a fresh worker would otherwise pay ~0.1 s for it
+    # inside the first call's timeout.
+    preload = ["torch", "torch.distributed", "pytest", __name__]
     if importlib.util.find_spec("transformers") is not None:
         preload += _TRANSFORMERS_PRELOAD
     context.set_forkserver_preload(preload)
