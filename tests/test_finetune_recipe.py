@@ -393,6 +393,20 @@ def test_engine_config_errors_are_prefixed_with_engine(tmp_path):
     assert error.path == "engine.config_path" and "use one of them" in str(error)
 
 
+@pytest.mark.parametrize("engine,path", [
+    ({"tensor_parallel": {"autotp_size": 2}}, "engine.tensor_parallel.autotp_size"),
+    ({"sequence_parallel_size": 2}, "engine.sequence_parallel_size"),
+    ({"pipeline": {"stages": 2}}, "engine.pipeline.stages"),
+])
+def test_model_parallel_engine_keys_are_refused_by_the_finetune_job(engine, path):
+    error = error_of(recipe(engine=engine))
+    assert error.path == path, str(error)
+    assert "runs data parallel only" in str(error) and "zerotune.initialize" in str(error)
+    off = {key: ({inner: 1} if isinstance(value, dict) else 1) for key, value in engine.items()
+           for inner in (value if isinstance(value, dict) else [None])}
+    load_recipe(recipe(engine=off))  # size 1 means the mode is off: accepted
+
+
 def test_resolving_for_a_world_size_surfaces_batch_errors():
     r = load_recipe(recipe(engine={"train_batch_size": 32}))  # 16 per rank at 2 ranks
     with pytest.raises(ConfigError) as info:

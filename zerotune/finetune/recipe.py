@@ -266,7 +266,31 @@ def _engine_base_config(recipe: Recipe) -> dict[str, Any]:
         load_config(normalized)
     except ConfigError as error:
         raise RecipeError.of(error, "engine", note) from None
+    _refuse_model_parallelism(normalized, note)
     return normalized
+
+
+# (config path, what it turns on). The job shards its data over every rank as data-parallel
+# replicas and saves whole HF / peft models, so a tensor-, sequence- or pipeline-parallel layout
+# would feed replicas of one shard different data; those modes are the engine API's for now.
+_MODEL_PARALLEL_KEYS = (
+    (("tensor_parallel", "autotp_size"), "tensor parallelism"),
+    (("sequence_parallel_size",), "sequence parallelism"),
+    (("pipeline", "stages"), "pipeline parallelism"),
+)
+
+
+def _refuse_model_parallelism(config: Mapping[str, Any], note: str) -> None:
+    for path, mode in _MODEL_PARALLEL_KEYS:
+        value: Any = config
+        for key in path:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value > 1:
+            raise RecipeError(
+                "engine." + ".".join(path),
+                f"{value}{note}: zerotune finetune runs data parallel only (ZeRO 0-3, offload, compression); "
+                f"{mode} is available to your own training script through zerotune.initialize "
+                "(see the README). Remove the key or set it to 1")
 
 
 def _given(block: Mapping[str, Any], key: str) -> Any:
