@@ -27,7 +27,14 @@ from typing import Any
 import torch
 
 from zerotune.config.errors import ConfigError
-from zerotune.optim.validation import check_known_keys, did_you_mean, reject_auto_values
+from zerotune.optim.validation import (
+    check_known_keys,
+    did_you_mean,
+    int_at_least,
+    number_at_least,
+    per_param_group,
+    reject_auto_values,
+)
 
 WARMUP_TYPES = ("log", "linear")
 _PATH = "scheduler.params"
@@ -57,7 +64,7 @@ class _StepSchedule:
 
     def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
         self.optimizer = _torch_optimizer(optimizer)
-        self.last_batch_iteration = _int_at_least(last_batch_iteration, -1, "last_batch_iteration")
+        self.last_batch_iteration = int_at_least(last_batch_iteration, -1, _PATH, "last_batch_iteration")
         self._from_optimizer: tuple[str, ...] = ()
         self._last_lr: list[float] = []
 
@@ -125,9 +132,9 @@ class LRRangeTest(_StepSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.min_lrs = _per_group(lr_range_test_min_lr, self.optimizer, "lr_range_test_min_lr")
-        self.step_size = _int_at_least(lr_range_test_step_size, 1, "lr_range_test_step_size")
-        self.step_rate = _number_at_least(lr_range_test_step_rate, 0.0, "lr_range_test_step_rate")
+        self.min_lrs = per_param_group(lr_range_test_min_lr, self.optimizer, _PATH, "lr_range_test_min_lr")
+        self.step_size = int_at_least(lr_range_test_step_size, 1, _PATH, "lr_range_test_step_size")
+        self.step_rate = number_at_least(lr_range_test_step_rate, 0.0, _PATH, "lr_range_test_step_rate")
         self.staircase = bool(lr_range_test_staircase)
         self._apply()
 
@@ -166,12 +173,12 @@ class OneCycle(_StepSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.min_lrs = _per_group(cycle_min_lr, self.optimizer, "cycle_min_lr")
-        self.max_lrs = _per_group(cycle_max_lr, self.optimizer, "cycle_max_lr")
-        first = _int_at_least(cycle_first_step_size, 1, "cycle_first_step_size")
+        self.min_lrs = per_param_group(cycle_min_lr, self.optimizer, _PATH, "cycle_min_lr")
+        self.max_lrs = per_param_group(cycle_max_lr, self.optimizer, _PATH, "cycle_max_lr")
+        first = int_at_least(cycle_first_step_size, 1, _PATH, "cycle_first_step_size")
         second = first
         if cycle_second_step_size is not None:
-            second = _int_at_least(cycle_second_step_size, 1, "cycle_second_step_size")
+            second = int_at_least(cycle_second_step_size, 1, _PATH, "cycle_second_step_size")
         self.total_size = float(first + second)
         self.step_ratio = first / self.total_size
         if cycle_first_stair_count or cycle_second_stair_count:
@@ -180,9 +187,9 @@ class OneCycle(_StepSchedule):
                 "it does not change the OneCycle schedule",
                 stacklevel=2,
             )
-        self.decay_step_size = _int_at_least(decay_step_size, 0, "decay_step_size")
-        self.decay_lr_rate = _number_at_least(decay_lr_rate, 0.0, "decay_lr_rate")
-        self.decay_mom_rate = _number_at_least(decay_mom_rate, 0.0, "decay_mom_rate")
+        self.decay_step_size = int_at_least(decay_step_size, 0, _PATH, "decay_step_size")
+        self.decay_lr_rate = number_at_least(decay_lr_rate, 0.0, _PATH, "decay_lr_rate")
+        self.decay_mom_rate = number_at_least(decay_mom_rate, 0.0, _PATH, "decay_mom_rate")
         self.cycle_momentum = bool(cycle_momentum) and _has_betas(self.optimizer)
         if cycle_momentum and not self.cycle_momentum:
             warnings.warn(
@@ -190,8 +197,8 @@ class OneCycle(_StepSchedule):
                 "to cycle (as in DeepSpeed)",
                 stacklevel=2,
             )
-        self.min_mom = _number_at_least(cycle_min_mom, 0.0, "cycle_min_mom")
-        self.max_mom = _number_at_least(cycle_max_mom, 0.0, "cycle_max_mom")
+        self.min_mom = number_at_least(cycle_min_mom, 0.0, _PATH, "cycle_min_mom")
+        self.max_mom = number_at_least(cycle_max_mom, 0.0, _PATH, "cycle_max_mom")
         self._apply()
 
     def _scale(self, iteration: int) -> float:
@@ -243,9 +250,9 @@ class WarmupLR(_StepSchedule):
         if warmup_max_lr is None:
             warmup_max_lr = float(self.optimizer.param_groups[0]["lr"])
             self._from_optimizer = ("max_lrs",)
-        self.min_lrs = _per_group(warmup_min_lr, self.optimizer, "warmup_min_lr")
-        self.max_lrs = _per_group(warmup_max_lr, self.optimizer, "warmup_max_lr")
-        self.warmup_num_steps = max(2, _int_at_least(warmup_num_steps, 0, "warmup_num_steps"))
+        self.min_lrs = per_param_group(warmup_min_lr, self.optimizer, _PATH, "warmup_min_lr")
+        self.max_lrs = per_param_group(warmup_max_lr, self.optimizer, _PATH, "warmup_max_lr")
+        self.warmup_num_steps = max(2, int_at_least(warmup_num_steps, 0, _PATH, "warmup_num_steps"))
         self.warmup_type = _warmup_type(warmup_type)
         self._apply()
 
@@ -273,7 +280,7 @@ class WarmupDecayLR(WarmupLR):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        self.total_num_steps = _int_at_least(total_num_steps, 1, "total_num_steps")
+        self.total_num_steps = int_at_least(total_num_steps, 1, _PATH, "total_num_steps")
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         if self.total_num_steps < self.warmup_num_steps:
             warnings.warn(
@@ -307,10 +314,10 @@ class WarmupCosineLR(_StepSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.total_num_steps = _int_at_least(total_num_steps, 1, "total_num_steps")
-        self.warmup_min_ratio = _number_at_least(warmup_min_ratio, 0.0, "warmup_min_ratio")
-        self.warmup_num_steps = max(2, _int_at_least(warmup_num_steps, 0, "warmup_num_steps"))
-        self.cos_min_ratio = _number_at_least(cos_min_ratio, 0.0, "cos_min_ratio")
+        self.total_num_steps = int_at_least(total_num_steps, 1, _PATH, "total_num_steps")
+        self.warmup_min_ratio = number_at_least(warmup_min_ratio, 0.0, _PATH, "warmup_min_ratio")
+        self.warmup_num_steps = max(2, int_at_least(warmup_num_steps, 0, _PATH, "warmup_num_steps"))
+        self.cos_min_ratio = number_at_least(cos_min_ratio, 0.0, _PATH, "cos_min_ratio")
         self.warmup_type = _warmup_type(warmup_type)
         if self.total_num_steps <= self.warmup_num_steps:
             raise ConfigError(
@@ -391,29 +398,6 @@ def _has_betas(optimizer: Any) -> bool:
     if defaults is not None:
         return "betas" in defaults
     return all("betas" in group for group in optimizer.param_groups)
-
-
-def _per_group(value: Any, optimizer: Any, key: str) -> list[float]:
-    """A scalar for every group, or a list with exactly one non-negative number per group."""
-    count = len(optimizer.param_groups)
-    values = list(value) if isinstance(value, (list, tuple)) else [value] * count
-    if len(values) != count:
-        raise ConfigError(f"{_PATH}.{key}", f"got {len(values)} values but the optimizer has {count} param groups")
-    return [_number_at_least(v, 0.0, key) for v in values]
-
-
-def _number_at_least(value: Any, minimum: float, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
-        raise ConfigError(f"{_PATH}.{key}", f"must be a finite number >= {minimum}, got {value!r}")
-    return float(value)
-
-
-def _int_at_least(value: Any, minimum: int, key: str) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{_PATH}.{key}", f"must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def _warmup_type(value: Any) -> str:

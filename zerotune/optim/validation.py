@@ -9,6 +9,7 @@ the value looks like a typo.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -47,3 +48,28 @@ def reject_auto_values(params: Mapping[str, Any], section: str) -> None:
                 "value 'auto' was not resolved; resolve it from the training arguments "
                 "(see zerotune.optim.optimizer_defaults) before building",
             )
+
+
+def per_param_group(value: Any, optimizer: Any, section: str, key: str) -> list[float]:
+    """A scalar for every param group, or a list with exactly one non-negative number per group."""
+    count = len(optimizer.param_groups)
+    values = list(value) if isinstance(value, (list, tuple)) else [value] * count
+    if len(values) != count:
+        raise ConfigError(f"{section}.{key}", f"got {len(values)} values but the optimizer has {count} param groups")
+    return [number_at_least(v, 0.0, section, key) for v in values]
+
+
+def number_at_least(value: Any, minimum: float, section: str, key: str) -> float:
+    """``value`` as a float, or a ConfigError at ``<section>.<key>`` unless it is a finite number >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+        raise ConfigError(f"{section}.{key}", f"must be a finite number >= {minimum}, got {value!r}")
+    return float(value)
+
+
+def int_at_least(value: Any, minimum: int, section: str, key: str) -> int:
+    """``value`` as an int (integral floats accepted), or a ConfigError at ``<section>.<key>``."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(f"{section}.{key}", f"must be an integer >= {minimum}, got {value!r}")
+    return value
