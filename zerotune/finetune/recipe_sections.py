@@ -20,15 +20,7 @@ from pydantic import BeforeValidator, Field, StrictBool
 from zerotune.config.errors import ConfigError
 from zerotune.config.schema import ZeroTuneConfig
 from zerotune.config.section import Section
-from zerotune.config.types import (
-    Fraction,
-    NonNegFloat,
-    NonNegInt,
-    PosFloat,
-    PosInt,
-    Stage,
-    Str,
-)
+from zerotune.config.types import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, Stage, Str
 
 # Names the finetune asset layer (zerotune/finetune/assets.py) knows how to fetch offline.
 BUNDLED_MODELS = ("all-MiniLM-L6-v2", "SmolLM2-135M-Instruct")

@@ -20,26 +20,11 @@ import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
-from zerotune.finetune.data import (
-    DataSpec,
-    check_num_labels,
-    load_causal_lm_data,
-    load_classification_data,
-)
-from zerotune.finetune.models import (
-    apply_method,
-    load_model,
-    load_tokenizer,
-    resolve_model_path,
-    save_trained_model,
-    trainable_summary,
-)
+from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
+from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
+from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_trained_model,
+                                      trainable_summary)
 from zerotune.finetune.recipe import load_recipe, recipe_engine_config
-from zerotune.finetune.tokenization import (
-    make_collator,
-    tokenize_causal_lm,
-    tokenize_classification,
-)
 from zerotune.monitor.logging import log_rank0
 
 CHECKPOINTS = "checkpoints"
