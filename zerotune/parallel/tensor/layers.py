@@ -93,8 +93,12 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, we
     return out.view(*x.shape[:-1], weight.shape[-1])
 
 
-def _shape_repr(local: torch.Tensor, full: tuple[int, ...]) -> str:
-    return f"{tuple(local.shape)} of {full}"
+def _linear_repr(layer: nn.Module) -> str:
+    """The part of a parallel linear's repr both kinds share: features and local-of-full weight shape."""
+    full = (layer.out_features, layer.in_features) if layer.weight_layout == "out_in" else (
+        layer.in_features, layer.out_features)
+    return (f"in_features={layer.in_features}, out_features={layer.out_features}, "
+            f"weight={tuple(layer.weight.shape)} of {full} ({layer.weight_layout})")
 
 
 class ColumnParallelLinear(nn.Module):
@@ -157,11 +161,8 @@ class ColumnParallelLinear(nn.Module):
         return gather_from_tensor_parallel(y, self.tp_group, dim=-1) if self.gather_output else y
 
     def extra_repr(self) -> str:
-        full = (self.out_features, self.in_features) if self.weight_layout == "out_in" else (
-            self.in_features, self.out_features)
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight={_shape_repr(self.weight, full)} ({self.weight_layout}), bias={self.bias is not None}, "
-                f"parts={self.parts}, gather_output={self.gather_output}, tp={self.tp_world}")
+        return (f"{_linear_repr(self)}, bias={self.bias is not None}, parts={self.parts}, "
+                f"gather_output={self.gather_output}, tp={self.tp_world}")
 
 
 class RowParallelLinear(nn.Module):
@@ -216,11 +217,8 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
-        full = (self.out_features, self.in_features) if self.weight_layout == "out_in" else (
-            self.in_features, self.out_features)
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"weight={_shape_repr(self.weight, full)} ({self.weight_layout}), bias={self.bias is not None} "
-                f"(replicated), input_is_parallel={self.input_is_parallel}, tp={self.tp_world}")
+        return (f"{_linear_repr(self)}, bias={self.bias is not None} (replicated), "
+                f"input_is_parallel={self.input_is_parallel}, tp={self.tp_world}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -284,5 +282,5 @@ class VocabParallelEmbedding(nn.Module):
 
     def extra_repr(self) -> str:
         full = (self.num_embeddings, self.embedding_dim)
-        return (f"{self.num_embeddings}, {self.embedding_dim}, weight={_shape_repr(self.weight, full)}, "
+        return (f"{self.num_embeddings}, {self.embedding_dim}, weight={tuple(self.weight.shape)} of {full}, "
                 f"rows=[{self.vocab_start}, {self.vocab_end}), padding_idx={self.padding_idx}, tp={self.tp_world}")
