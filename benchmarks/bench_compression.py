@@ -50,10 +50,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dp_vs_ddp import _free_port
+from bench_dp_vs_ddp import _free_port, spawn_ranks
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "compression_loss.png")
 TARGET_BYTES_FRACTION = 0.10  # ratio 0.01 + EF must move <= 10% of dense gradient bytes per step
@@ -223,8 +222,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
 def run_ranks(args: argparse.Namespace) -> list[dict]:
     """Every run's per-rank record: losses, times, bytes per step, eval points."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(args.world, _free_port(), args, out_dir), nprocs=args.world,
-                           start_method="spawn", join=True)
+        spawn_ranks(_rank_main, (args.world, _free_port(), args, out_dir), args.world)
         with open(os.path.join(out_dir, "result.json")) as handle:
             return json.load(handle)
 

@@ -55,12 +55,11 @@ from typing import Any, Self
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_dp_vs_ddp import _free_port
+from bench_dp_vs_ddp import _free_port, spawn_ranks
 
 from tests.memory_probe import PeakTensorBytes
 from zerotune.pipe.schedule import build_schedule, max_in_flight
@@ -205,8 +204,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> 
 def run_ranks(args: argparse.Namespace) -> list[list[dict]]:
     """Per rank (= stage), per (schedule, M): what ``measure_config`` returned."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(_free_port(), args, out_dir), nprocs=args.stages, start_method="spawn",
-                           join=True)
+        spawn_ranks(_rank_main, (_free_port(), args, out_dir), args.stages)
         with open(os.path.join(out_dir, "result.json")) as handle:
             return json.load(handle)
 

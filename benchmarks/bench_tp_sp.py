@@ -61,11 +61,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_dp_vs_ddp import _free_port, _storage_bytes
+from bench_dp_vs_ddp import _free_port, _storage_bytes, spawn_ranks
 
 from tests.memory_probe import PeakTensorBytes, saved_for_backward
 
@@ -177,8 +176,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> 
 def run_parallel_variants(args: argparse.Namespace) -> list[dict]:
     """Per-rank results of tp2 and sp2, measured in ``PARALLEL`` spawned gloo ranks."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(_free_port(), args, out_dir), nprocs=PARALLEL, start_method="spawn",
-                           join=True)
+        spawn_ranks(_rank_main, (_free_port(), args, out_dir), PARALLEL)
         with open(os.path.join(out_dir, "result.json")) as handle:
             return json.load(handle)
 

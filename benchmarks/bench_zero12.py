@@ -46,11 +46,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dp_vs_ddp import (MODEL, _batch, _free_port, _storage_bytes, _timed,  # noqa: E402
-                            add_workload_arguments)
+                            add_workload_arguments, spawn_ranks)
 from bench_table import (_mib, comm_columns, print_details, print_table, summarize,  # noqa: E402
                          time_and_state_columns, time_ratio)
 
@@ -300,8 +299,7 @@ def run_ranks(args: argparse.Namespace,
     """Per-rank results of ``args.methods``, each built by ``builder`` (a module-level function: it is
     pickled into the spawned ranks)."""
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_rank_main, args=(args.world, _free_port(), args, out_dir, builder),
-                           nprocs=args.world, start_method="spawn", join=True)
+        spawn_ranks(_rank_main, (args.world, _free_port(), args, out_dir, builder), args.world)
         with open(os.path.join(out_dir, "result.json")) as handle:
             return json.load(handle)
 

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm, compression
 from zerotune.distributed.buckets import Bucket, GradientBuckets
+from zerotune.zero.grad_hooks import register_grad_ready_hooks
 
 
 class AllReduceGradSync:
@@ -40,7 +41,7 @@ class AllReduceGradSync:
         self._handles: list[comm.Handle] = []
         self._communicating = False
         self._grads_in_buckets = all(p.dtype == torch.float32 for p in self.params)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in self.params]
+        self._hooks = register_grad_ready_hooks(self.params, self._on_grad_ready)
         self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
         # An optimizer that averages something else (OneBitAdam's momentum) takes each rank's own gradient.
         self.local_only = False

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from zerotune.distributed import comm, compression
 from zerotune.distributed.buckets import Bucket, BucketPiece, GradientBuckets
 from zerotune.zero.flat_params import FlatParamGroup
+from zerotune.zero.grad_hooks import register_grad_ready_hooks
 from zerotune.zero.partition import split_at_owner_boundaries
 
 
@@ -86,7 +87,7 @@ class BucketedReduceGradSync:
         self.on_final_grad: Callable[[int, int, torch.Tensor], None] | None = None
         """``(group, lo, grad)``: a part of a gradient slice is final (last micro-step), e.g. to copy it to the host."""
         params = [p for fg in self.flat_groups for p in fg.params]
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
+        self._hooks = register_grad_ready_hooks(params, self._on_grad_ready)
         self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
 
     def begin_micro_step(self, is_boundary: bool) -> None:

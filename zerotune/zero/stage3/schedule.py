@@ -26,6 +26,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch.autograd.graph import register_multi_grad_hook
 
+from zerotune.zero.grad_hooks import register_grad_ready_hooks
 from zerotune.zero.stage3.unit import ParamUnit
 
 
@@ -90,8 +91,7 @@ class UnitScheduler:
                 lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True))
             self._hooks.append(unit.module.register_forward_hook(lambda m, a, o, u=unit: self._post_forward(u, o)))
             if unit.trainable:
-                for param in unit.trainable.params:
-                    self._hooks.append(param.register_post_accumulate_grad_hook(self._on_grad))
+                self._hooks += register_grad_ready_hooks(unit.trainable.params, self._on_grad)
 
     def _refuse_placeholders(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
         """``state_dict()`` of a partitioned model would silently hold placeholders instead of weights."""

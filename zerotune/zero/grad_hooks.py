@@ -1,0 +1,37 @@
+"""Post-accumulate-grad hooks that do not keep their owner (a gradient sync) alive.
+
+A parameter's hooks are not visible to Python's cycle collector while autograd's C++ side also
+references the tensor. A hook bound to the sync that holds the parameter (in its buckets) makes
+the cycle parameter -> hook -> sync -> parameter, which is never collected: a dropped engine would
+keep its model, its gradient buffers and its process groups (with their gloo threads) until the
+process exits. So the parameter holds only a weak reference to the sync's method, and when the
+sync is collected its hooks are removed, leaving the user's parameters as they were.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+
+def register_grad_ready_hooks(params: Iterable[torch.nn.Parameter],
+                              method: Callable[[torch.nn.Parameter], None]) -> list[RemovableHandle]:
+    """``method`` (a bound method) runs after autograd accumulates each parameter's gradient."""
+    weak_method = weakref.WeakMethod(method)
+
+    def on_grad_ready(param: torch.nn.Parameter) -> None:
+        target = weak_method()
+        if target is not None:
+            target(param)
+
+    handles = [param.register_post_accumulate_grad_hook(on_grad_ready) for param in params]
+    weakref.finalize(method.__self__, _remove_all, handles)
+    return handles
+
+
+def _remove_all(handles: list[RemovableHandle]) -> None:
+    for handle in handles:
+        handle.remove()
