@@ -43,10 +43,10 @@ def spawn_ranks(rank_main, args: tuple, nprocs: int) -> None:
 
     A rank whose ``rank_main`` returns (its results written, its process group destroyed) ends with
     ``os._exit(0)`` rather than the interpreter's full teardown. Destroying a gloo group does not
-    always stop its threads at once (measured here: up to 2 of a group's 3 threads still running 1 s
-    later), and a process that exits with native threads running can abort in the static
-    destructors: CI saw one such rank die with SIGABRT, "terminate called without an active
-    exception", after its work was done. A rank that raises still exits 1 with its traceback.
+    always stop its threads at once, and a process that exits with native threads running can
+    abort in the static destructors: CI saw a rank of bench_pipeline die with SIGABRT, "terminate
+    called without an active exception", after its work was done. A rank that raises still exits 1
+    with its traceback.
     """
     mp.start_processes(_run_rank, args=(rank_main, *args), nprocs=nprocs, start_method="spawn", join=True)
 
