@@ -139,3 +139,25 @@ def assert_close_traces(actual: Trace, expected: Trace, rel: float) -> None:
         assert len(got) == len(want)
         for step, (g, w) in enumerate(zip(got, want)):
             assert abs(g - w) <= rel * abs(w), f"{name}[{step}]: {g!r} vs reference {w!r} (rel {abs(g - w) / abs(w):.2e})"
+
+
+def gpt2_traces_across_resume(config: dict, directory: str, *, warm_steps: int,
+                              on_saved=None) -> tuple[list[float], list[float]]:
+    """A GPT-2 engine trains ``warm_steps`` steps (GAS 2, 4 global rows) and saves; then 3 more steps are
+    run by that engine and by a fresh one (other initial weights) loaded from the checkpoint.
+
+    Returns both runs' losses + grad norms: equal lists mean the resume is bit-identical. ``on_saved``
+    gets the first engine right after the save (to check what the checkpoint should hold)."""
+    import zerotune
+
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=config)
+    engine_run(engine, gpt2_batch, steps=warm_steps, gas=2, global_rows=4)
+    engine.save_checkpoint(directory, tag="t")
+    if on_saved is not None:
+        on_saved(engine)
+    later = lambda step, micro, rows: gpt2_batch(step + warm_steps, micro, rows)  # noqa: E731
+    first = engine_run(engine, later, steps=3, gas=2, global_rows=4)
+    resumed, *_ = zerotune.initialize(model=make_gpt2(seed=3), config=config)
+    resumed.load_checkpoint(directory, tag="t")
+    second = engine_run(resumed, later, steps=3, gas=2, global_rows=4)
+    return first.losses + first.grad_norms, second.losses + second.grad_norms

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import zerotune
 from tests.harness import run_distributed
-from tests.models import engine_run, gpt2_batch, make_gpt2
+from tests.models import engine_run, gpt2_batch, gpt2_traces_across_resume, make_gpt2
 from zerotune.distributed import comm, compression
 from zerotune.distributed.compression import GRADIENT_OPS, TopKCompressor
 
@@ -125,17 +125,12 @@ def test_ratio_001_cuts_gradient_bytes_per_step_by_at_least_90_percent(stage):
     assert sparse <= 0.10 * dense, f"stage {stage}: {sparse:.0f} vs dense {dense:.0f} bytes per step"
 
 
+def _holds_residuals(engine) -> None:
+    assert engine.compressor.residuals  # something was held back, so the checkpoint must carry it
+
+
 def _save_resume(directory: str) -> tuple[list, list]:
-    config = _config(2, 0.05)
-    engine, *_ = zerotune.initialize(model=make_gpt2(), config=config)
-    engine_run(engine, gpt2_batch, steps=3, gas=2, global_rows=4)
-    assert engine.compressor.residuals  # something was held back
-    engine.save_checkpoint(directory, tag="t")
-    first = engine_run(engine, lambda s, m, r: gpt2_batch(s + 3, m, r), steps=3, gas=2, global_rows=4)
-    resumed, *_ = zerotune.initialize(model=make_gpt2(seed=3), config=config)
-    resumed.load_checkpoint(directory, tag="t")
-    second = engine_run(resumed, lambda s, m, r: gpt2_batch(s + 3, m, r), steps=3, gas=2, global_rows=4)
-    return first.losses + first.grad_norms, second.losses + second.grad_norms
+    return gpt2_traces_across_resume(_config(2, 0.05), directory, warm_steps=3, on_saved=_holds_residuals)
 
 
 def test_residuals_survive_save_and_resume_bit_identically(tmp_path):

@@ -13,7 +13,8 @@ import torch.distributed as dist
 
 import zerotune
 from tests.harness import run_distributed
-from tests.models import assert_close_traces, engine_run, gpt2_batch, make_gpt2, reference_run
+from tests.models import (assert_close_traces, engine_run, gpt2_batch, gpt2_traces_across_resume, make_gpt2,
+                          reference_run)
 from zerotune.distributed import comm
 from zerotune.optim.onebit_adam import OneBitAdam, compressed_allreduce, pack_signs, unpack_signs
 
@@ -88,14 +89,7 @@ def test_after_freeze_step_momentum_goes_as_signs_and_ranks_stay_identical():
 
 
 def _resume(directory: str) -> tuple[list, list]:
-    engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config(2))
-    engine_run(engine, gpt2_batch, steps=4, gas=2, global_rows=4)
-    engine.save_checkpoint(directory, tag="t")
-    first = engine_run(engine, lambda s, m, r: gpt2_batch(s + 4, m, r), steps=3, gas=2, global_rows=4)
-    resumed, *_ = zerotune.initialize(model=make_gpt2(seed=5), config=_config(2))
-    resumed.load_checkpoint(directory, tag="t")
-    second = engine_run(resumed, lambda s, m, r: gpt2_batch(s + 4, m, r), steps=3, gas=2, global_rows=4)
-    return first.losses + first.grad_norms, second.losses + second.grad_norms
+    return gpt2_traces_across_resume(_config(2), directory, warm_steps=4)
 
 
 def test_error_buffers_resume_bit_identically(tmp_path):
