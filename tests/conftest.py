@@ -20,6 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.harness import shutdown_pools  # noqa: E402
+from tests.logs import logger_state_restored  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -29,3 +30,20 @@ def _stop_worker_pools_at_session_end():
     """Pools live for the whole session (warm-up is paid once); stop them when it ends."""
     yield
     shutdown_pools()
+
+
+@pytest.fixture(autouse=True)
+def _zerotune_logger_isolated():
+    """Each test starts and ends with the "zerotune" logger as it found it (no leaked handlers)."""
+    with logger_state_restored():
+        yield
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--reverse", action="store_true",
+                     help="run the collected tests in reverse order (to find tests that depend on earlier ones)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--reverse"):
+        items.reverse()

@@ -52,6 +52,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from tests.logs import logger_state_restored
+
 # How long one collective may block inside a worker before gloo itself raises. Deliberately
 # longer than any sensible per-call timeout: the parent's timeout is what turns a hang into
 # a test failure (with stacks); this only bounds workers the parent has forgotten.
@@ -403,7 +405,8 @@ def _worker_main(
         groups_before = set(dist.distributed_c10d._world.pg_map)
         try:
             fn, args, kwargs = pickle.loads(task)
-            reply = ("ok", fn(*args, **kwargs), time.time())
+            with logger_state_restored():  # a task's log handlers must not leak into the next task
+                reply = ("ok", fn(*args, **kwargs), time.time())
         except BaseException:
             reply = ("error", traceback.format_exc(), time.time())
         status, payload = _encode_reply(reply)

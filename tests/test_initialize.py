@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -16,6 +15,7 @@ import torch
 
 import zerotune
 from tests.harness import run_distributed
+from tests.logs import recorded_messages
 from tests.models import make_gpt2, make_mlp, mlp_batch, mlp_param_groups, rank_slice
 from zerotune.config import ConfigError, NotSupportedYetError
 
@@ -182,16 +182,13 @@ def test_client_optimizer_and_scheduler_run_on_fp32_masters(kind: str) -> None:
 
 
 def _lr_scaling() -> list:
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("zerotune").addHandler(handler)
     config = _base(lr_scaling={"rule": "linear", "base_batch_size": 4},
                    scheduler={"type": "WarmupLR", "params": {"warmup_max_lr": 0.01, "warmup_num_steps": 1}})
-    engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
-    _train_steps(engine, 2)
-    lr = engine.get_lr()
-    engine.destroy()
+    with recorded_messages() as records:
+        engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
+        _train_steps(engine, 2)
+        lr = engine.get_lr()
+        engine.destroy()
     return [lr, [m for m in records if "lr_scaling" in m]]
 
 
@@ -205,13 +202,10 @@ def _monitors(out_dir: str) -> list[str]:
     config = _base(steps_per_print=2, wall_clock_breakdown=True,
                    tensorboard={"enabled": True, "output_path": out_dir, "job_name": "tb"},
                    csv_monitor={"enabled": True, "output_path": out_dir, "job_name": "csv"})
-    records = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("zerotune").addHandler(handler)
-    engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
-    _train_steps(engine, 4)
-    engine.destroy()
+    with recorded_messages() as records:
+        engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
+        _train_steps(engine, 4)
+        engine.destroy()
     return [m for m in records if m.startswith("step ")]
 
 

@@ -22,10 +22,11 @@ from zerotune.monitor.writers import ScalarWriters, csv_file_name
 def zerotune_log(caplog):
     """caplog attached directly to the "zerotune" logger (which does not propagate)."""
     logger = get_logger()
-    logger.addHandler(caplog.handler)
+    handler = caplog.handler  # pytest gives each phase its own handler: remove the one added here
+    logger.addHandler(handler)
     caplog.set_level(logging.INFO, logger="zerotune")
     yield caplog
-    logger.removeHandler(caplog.handler)
+    logger.removeHandler(handler)
 
 
 class RecordingWriters(ScalarWriters):
