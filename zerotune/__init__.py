@@ -1,10 +1,12 @@
 """zerotune: memory-efficient distributed training and fine-tuning for PyTorch.
 
-A DeepSpeed script runs unchanged with ``import zerotune as deepspeed``.
+A DeepSpeed script runs unchanged under ``zerotune run --as-deepspeed`` (or after
+``zerotune.install_deepspeed_alias()``, which makes ``import deepspeed`` resolve here), or with
+its import changed to ``import zerotune as deepspeed``.
 """
 
-from zerotune import checkpointing, zero
-from zerotune.distributed import comm
+from zerotune import checkpointing, comm, zero
+from zerotune.compat.alias import install_deepspeed_alias, uninstall_deepspeed_alias
 from zerotune.distributed.env import init_distributed
 from zerotune.engine import Engine
 from zerotune.initialize import add_config_arguments, initialize
@@ -12,5 +14,5 @@ from zerotune.initialize import add_config_arguments, initialize
 __version__ = "0.1.0"
 DeepSpeedEngine = Engine  # the name DeepSpeed scripts use in isinstance checks and type hints
 
-__all__ = ["initialize", "zero", "checkpointing", "init_distributed", "add_config_arguments", "comm", "Engine", "DeepSpeedEngine",
-           "__version__"]
+__all__ = ["initialize", "zero", "checkpointing", "init_distributed", "add_config_arguments", "comm", "Engine",
+           "DeepSpeedEngine", "install_deepspeed_alias", "uninstall_deepspeed_alias", "__version__"]

@@ -14,6 +14,7 @@ The engine is assembled by ``zerotune.initialize``; it never reads the config fi
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,9 +26,10 @@ from zerotune.distributed import comm
 from zerotune.distributed.compression import CompressionStats, TopKCompressor
 from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
-from zerotune.distributed.mpu import ModelParallelUnit
+from zerotune.engine_queries import EngineQueries
 from zerotune.monitor.logging import log_rank0
 from zerotune.monitor.step_report import StepReporter
+from zerotune.monitor.throughput import ThroughputTimer
 from zerotune.monitor.timers import WallClockTimers
 from zerotune.monitor.writers import ScalarWriters
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
@@ -63,14 +65,15 @@ def loss_from_output(output: Any) -> torch.Tensor:
     )
 
 
-class Engine(torch.nn.Module):
+class Engine(EngineQueries, torch.nn.Module):
     """Wraps a model for data-parallel training; see the module docstring for one step's phases."""
 
     def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,
                  policy: PrecisionPolicy, state: ReplicatedState | ShardedState | Stage3State,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
-                 training_dataloader: Any = None, compressor: TopKCompressor | None = None) -> None:
+                 training_dataloader: Any = None, compressor: TopKCompressor | None = None,
+                 client_optimizer: Any = None) -> None:
         super().__init__()
         self.module = module
         self._config = config
@@ -79,6 +82,7 @@ class Engine(torch.nn.Module):
         self.policy = policy
         self.state = state
         self.optimizer = optimizer
+        self.client_optimizer = client_optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler
         self.param_names = param_names
@@ -88,6 +92,8 @@ class Engine(torch.nn.Module):
                                       torch.cuda.synchronize if env.device.type == "cuda" else None)
         self.monitor = ScalarWriters.from_config(config.tensorboard, config.csv_monitor, config.wandb, rank=env.rank)
         self.reporter = StepReporter(config.steps_per_print, env.rank, self.monitor, self.timers)
+        self.tput_timer = ThroughputTimer(config.train_batch_size,
+                                          synchronize=torch.cuda.synchronize if env.device.type == "cuda" else None)
         self.global_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
@@ -97,94 +103,9 @@ class Engine(torch.nn.Module):
         self._window_loss: torch.Tensor | None = None
         self._data_iterator: Iterator | None = None
         self._epoch = 0
-
-    # ---- DeepSpeed accessors -------------------------------------------------------------
-    @property
-    def device(self) -> torch.device:
-        return self.env.device
-
-    @property
-    def local_rank(self) -> int:
-        return self.env.local_rank
-
-    @property
-    def global_rank(self) -> int:
-        return self.env.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.env.world_size
-
-    @property
-    def dp_world_size(self) -> int:
-        return self.mesh.size("dp")
-
-    @property
-    def mpu(self) -> ModelParallelUnit:
-        """Megatron-style rank and group queries (``get_data_parallel_rank()``, ...), as DeepSpeed's ``engine.mpu``."""
-        return ModelParallelUnit(self.mesh)
-
-    @property
-    def config(self) -> dict:
-        return self._config.to_dict()
-
-    @property
-    def loss_scale(self) -> float:
-        return self.loss_scaler.loss_scale
-
-    @property
-    def trainable_params(self) -> list[torch.nn.Parameter]:
-        return self.state.params
-
-    @property
-    def sharded(self) -> bool:
-        """Whether optimizer state and masters are partitioned over the data-parallel ranks (ZeRO >= 1)."""
-        return not isinstance(self.state, ReplicatedState)
-
-    @property
-    def grad_sync(self):
-        """The stage's gradient sync strategy (all-reduce, reduce-at-boundary or bucketed reduce)."""
-        return self.state.grad_sync
-
-    def gradient_accumulation_steps(self) -> int:
-        return self._config.gradient_accumulation_steps
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self._config.train_micro_batch_size_per_gpu
-
-    def train_batch_size(self) -> int:
-        return self._config.train_batch_size
-
-    def zero_optimization_stage(self) -> int:
-        return self._config.zero_optimization.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.policy.param_dtype == torch.float16
-
-    def bfloat16_enabled(self) -> bool:
-        return self.policy.param_dtype == torch.bfloat16
-
-    bf16_enabled = bfloat16_enabled
-
-    def gradient_clipping(self) -> float:
-        return self._config.gradient_clipping
-
-    def steps_per_print(self) -> int:
-        return self._config.steps_per_print
-
-    def get_lr(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
-
-    def get_global_grad_norm(self) -> float | None:
-        """Global L2 norm of the (unscaled) gradients before clipping, at the last boundary."""
-        return self._last_grad_norm
-
-    def is_gradient_accumulation_boundary(self) -> bool:
-        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
-
-    def was_step_applied(self) -> bool:
-        """False when the last boundary's step was skipped for an fp16 overflow."""
-        return self._step_applied
+        self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
+        self._inside_no_sync = False
+        self._post_step_hooks: list[Callable[["Engine"], None]] = []
 
     # ---- one micro-step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -195,31 +116,96 @@ class Engine(torch.nn.Module):
                 return t.to(dtype) if t.is_floating_point() else t
 
             args, kwargs = _map_tensors(args, cast), _map_tensors(kwargs, cast)
+        if self.training and torch.is_grad_enabled():
+            self.tput_timer.start()
         with self.timers("forward"):
             if self.mesh.size("sp") > 1:
                 return sequence_parallel_forward(self.module, self.mesh.group("sp"), args, kwargs)
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backward of ``loss / GAS * loss_scale``; gradients accumulate in fp32 buckets."""
+        """Backward of ``loss / GAS * loss_scale``; gradients accumulate in fp32 buckets.
+
+        Returns the loss as it was differentiated before the loss scale: divided by the
+        accumulation steps when ``scale_wrt_gas`` (DeepSpeed's return value)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
         detached = loss.detach().float()
+        if not scale_wrt_gas:  # the caller already divided (HF Trainer): the window mean needs the whole loss
+            detached = detached * self.gradient_accumulation_steps()
         self._window_loss = detached if self._window_loss is None else self._window_loss + detached
-        scale = self.loss_scaler.loss_scale / (self.gradient_accumulation_steps() if scale_wrt_gas else 1)
-        self.grad_sync.begin_micro_step(self.is_gradient_accumulation_boundary())
+        gas_divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
+        communicate = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        self.grad_sync.begin_micro_step(communicate)
         with self.timers("backward"):
-            (loss.float() * scale).backward(retain_graph=retain_graph)
-        return loss
+            (loss.float() * (self.loss_scaler.loss_scale / gas_divisor)).backward(retain_graph=retain_graph)
+        return loss / gas_divisor
 
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Act at the accumulation boundary; a no-op (besides counting) on other micro-steps."""
-        if self.is_gradient_accumulation_boundary():
+        if self._inside_no_sync:
+            raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync block first (the "
+                               "gradients accumulated there are reduced by the next backward outside it)")
+        boundary = self.is_gradient_accumulation_boundary()
+        if boundary:
             with self.timers("reduce"):
                 self.grad_sync.finish()
             with self.timers("step"):
                 self._take_model_step(lr_kwargs or {})
+            for hook in self._post_step_hooks:
+                hook(self)
+        self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
+        self._boundary_override = None
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether this micro-step ends an optimizer step: every GAS-th one, unless the script said
+        otherwise with ``set_gradient_accumulation_boundary`` (as HF accelerate does)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Say whether the coming backward/step ends an optimizer step (DeepSpeed's override; set it
+        before each micro-step's backward, True on the last one)."""
+        self._boundary_override = bool(is_boundary)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally, without communication (stages 0/1;
+        stages 2/3 reduce gradients to their owners as they are produced, so they refuse, as DeepSpeed).
+        The next backward outside the block reduces everything accumulated."""
+        if self.zero_optimization_stage() >= 2:
+            raise RuntimeError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}, "
+                               "which partitions gradients during backward; use stage 0 or 1")
+        if self._inside_no_sync:
+            raise RuntimeError("engine.no_sync() blocks cannot be nested")
+        self._inside_no_sync = True
+        try:
+            yield
+        finally:
+            self._inside_no_sync = False
+
+    def register_post_step_hook(self, hook: Callable[["Engine"], None]) -> Callable[[], None]:
+        """Call ``hook(engine)`` after every optimizer step; returns a function that removes it."""
+        self._post_step_hooks.append(hook)
+        return lambda: self._post_step_hooks.remove(hook)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the accumulation steps (the micro-batch size stays),
+        as DeepSpeed's method; call it between optimizer steps."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if not isinstance(train_batch_size, int) or train_batch_size < per_step or train_batch_size % per_step:
+            raise ValueError(f"set_train_batch_size({train_batch_size!r}): must be a positive multiple of "
+                             f"train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
+        if self.micro_steps % self.gradient_accumulation_steps():
+            raise RuntimeError("set_train_batch_size() in the middle of an optimizer step; call it after engine.step() "
+                               "at an accumulation boundary")
+        gas = train_batch_size // per_step
+        self._config = self._config.model_copy(update={"train_batch_size": train_batch_size,
+                                                       "gradient_accumulation_steps": gas})
+        self.micro_steps = self.global_steps * gas
+        self.tput_timer.batch_size = train_batch_size
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
         grads = self.state.step_grads()
@@ -325,19 +311,52 @@ class Engine(torch.nn.Module):
                 self._data_iterator = None
                 self._epoch += 1
 
+    def _run_batch(self, batch: Any) -> Any:
+        batch = _map_tensors(batch, lambda t: t.to(self.device))
+        if isinstance(batch, dict):
+            return self(**batch)
+        if isinstance(batch, (list, tuple)):
+            return self(*batch)
+        return self(batch)
+
+    @torch.no_grad()
+    def eval_batch(self, data_iter: Iterator, return_logits: bool = False, compute_loss: bool = True,
+                   reduce_output: str | None = "avg", num_micro_batches: int | None = None) -> Any:
+        """Forward ``num_micro_batches`` (default: the accumulation steps) batches without gradients and
+        return the loss averaged over them and over the data-parallel ranks (DeepSpeed's ``eval_batch``);
+        ``reduce_output=None`` returns the per-micro-batch losses; ``return_logits`` adds the last logits."""
+        if reduce_output not in ("avg", None):
+            raise ValueError(f"eval_batch(reduce_output={reduce_output!r}): expected 'avg' or None")
+        was_training = self.training
+        self.eval()
+        try:
+            outputs = [self._run_batch(next(data_iter))
+                       for _ in range(num_micro_batches or self.gradient_accumulation_steps())]
+        finally:
+            self.train(was_training)
+        losses = [loss_from_output(o).detach().float() for o in outputs] if compute_loss else []
+        result: Any = losses
+        if compute_loss and reduce_output == "avg":
+            result = torch.stack(losses).mean()
+            comm.all_reduce(result, self.mesh.group("dp"))
+            result /= self.dp_world_size
+        if return_logits:
+            last = outputs[-1]
+            logits = last.get("logits") if isinstance(last, dict) else getattr(last, "logits", last)
+            return result, logits
+        return result
+
+    def set_data_post_process_func(self, post_process_func: Callable[[Any, dict], Any] | None) -> None:
+        """Apply ``post_process_func(batch, sampler_state)`` to every batch of the engine's data loader."""
+        if self.training_dataloader is not None:
+            self.training_dataloader.post_process_func = post_process_func
+
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """Run one full optimizer step (GAS micro-batches) and return the mean loss."""
         total = torch.zeros((), device=self.device)
         for _ in range(self.gradient_accumulation_steps()):
             batch = next(data_iter) if data_iter is not None else self._next_default_batch()
-            batch = _map_tensors(batch, lambda t: t.to(self.device))
-            if isinstance(batch, dict):
-                output = self(**batch)
-            elif isinstance(batch, (list, tuple)):
-                output = self(*batch)
-            else:
-                output = self(batch)
-            loss = loss_from_output(output)
+            loss = loss_from_output(self._run_batch(batch))
             self.backward(loss)
             self.step()
             total += loss.detach().float()

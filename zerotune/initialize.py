@@ -9,19 +9,20 @@ device with rank 0's weights -> fp32 masters -> model cast to its dtype -> gradi
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from zerotune.config import ConfigError, NotSupportedYetError, assert_implemented, load_config, resolve_config
 from zerotune.distributed import comm
 from zerotune.distributed.compression import TopKCompressor
-from zerotune.distributed.env import init_distributed
+from zerotune.distributed.env import DEFAULT_PORT, init_distributed
 from zerotune.distributed.mesh import ProcessMesh, build_mesh
 from zerotune.engine import Engine
+from zerotune.engine_data import build_dataloader
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.activation_checkpointing import apply_activation_checkpointing
 from zerotune.parallel.setup import (check_model_parallel_composes, install_sequence_parallel, limit_norm_to_one_holder,
@@ -140,9 +141,10 @@ def _broadcast_from_rank0(model: torch.nn.Module) -> None:
 
 def _build_optimizer(raw_optimizer: Any, client: Any, master_groups: list[dict]) -> torch.optim.Optimizer | None:
     """The optimizer over the stage's master parameters (full masters at stage 0, flat shards at 1/2)."""
-    if client is not None and raw_optimizer is not None:
-        raise ConfigError("optimizer", "an optimizer was passed to initialize() and the config has an 'optimizer' "
-                                       "block; keep one of them")
+    if client is not None and raw_optimizer is not None:  # DeepSpeed uses the client's too
+        log_rank0("initialize(optimizer=%s) and the config's 'optimizer' block (%s) were both given: using the "
+                  "client optimizer; the config block has no effect", type(client).__name__, raw_optimizer.type,
+                  rank=_global_rank(), level=logging.WARNING)
     if isinstance(client, torch.optim.Optimizer):
         if client.state:
             raise ValueError("the client optimizer already holds state; pass a fresh one (load state via load_checkpoint)")
@@ -272,27 +274,22 @@ def _build_scheduler(raw_scheduler: Any, client: Any, optimizer: torch.optim.Opt
     return None
 
 
-def _dataloader(training_data: Any, mesh: ProcessMesh, micro_batch: int, collate_fn: Callable | None,
-                drop_last: bool) -> DataLoader | None:
-    if training_data is None:
-        return None
-    sampler = DistributedSampler(training_data, num_replicas=mesh.size("dp"), rank=mesh.rank("dp"))
-    return DataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
-                      drop_last=drop_last)
-
-
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
-               mpu: Any = None, dist_init_required: bool | None = None, collate_fn: Callable | None = None,
-               config: Any = None, config_params: Any = None) -> tuple[Engine, Any, Any, Any]:
+               distributed_port: int = DEFAULT_PORT, mpu: Any = None, dist_init_required: bool | None = None,
+               collate_fn: Callable | None = None, config: Any = None, mesh_param: Any = None,
+               config_params: Any = None) -> tuple[Engine, Any, Any, Any]:
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     if model is None:
         raise ValueError("initialize() needs model=")
     if mpu is not None:
         raise ConfigError("mpu", "a Megatron mpu object is not supported: zerotune builds its own mesh from "
                                  "tensor_parallel.autotp_size and sequence_parallel_size")
+    if mesh_param is not None:
+        raise ConfigError("mesh_param", "is not supported: zerotune builds its mesh from tensor_parallel.autotp_size, "
+                                        "sequence_parallel_size and pipeline.stages")
     raw = load_config(_config_source(args, config, config_params))
-    env = init_distributed(dist_init_required=dist_init_required)
+    env = init_distributed(dist_init_required=dist_init_required, distributed_port=distributed_port)
     mesh = build_mesh(parallel_dims(raw, env.world_size, model), env.device.type)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=_auto_values(raw, model))
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
@@ -356,8 +353,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     engine = engine_class(**extra, module=model, config=cfg, env=env, mesh=mesh, policy=policy, state=state,
                     optimizer=torch_optimizer, lr_scheduler=scheduler,
                     loss_scaler=_loss_scaler(cfg), param_names={id(p): n for n, p in model.named_parameters()},
-                    training_dataloader=_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu,
-                                                    collate_fn, cfg.dataloader_drop_last), compressor=compressor)
+                    training_dataloader=build_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu,
+                                                          collate_fn, cfg.dataloader_drop_last),
+                    compressor=compressor, client_optimizer=optimizer if optimizer is not None else None)
     log_rank0("zerotune engine: world %d (dp %d x sp %d x tp %d), ZeRO stage %d, %s, micro-batch %d x GAS %d = batch %d",
               env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage, policy.name,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)

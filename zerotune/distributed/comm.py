@@ -73,6 +73,9 @@ class Handle:
                  on_done: Callable[[], None] | None = None) -> None:
         self._op, self._group, self._work, self._on_done = op, group, work, on_done
 
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
     def wait(self) -> None:
         if self._work is not None:
             try:
@@ -85,8 +88,10 @@ class Handle:
             self._on_done = None
 
 
-def _run(op: str, group: dist.ProcessGroup | None, nbytes: int, launch: Callable[[], dist.Work | None],
-         async_op: bool) -> Handle:
+def run_collective(op: str, group: dist.ProcessGroup | None, nbytes: int, launch: Callable[[], dist.Work | None],
+                   async_op: bool) -> Handle:
+    """Count ``nbytes`` under ``op``, launch, and wait unless ``async_op``; failures become CommError.
+    Every collective, zerotune's own and those issued through ``zerotune.comm``, passes here."""
     stats = _stats[op]
     stats.calls += 1
     stats.bytes += nbytes
@@ -114,7 +119,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=ReduceO
     """In-place all-reduce of ``tensor`` over ``group``."""
     if group is None:
         return Handle("all_reduce", None, None)
-    return _run("all_reduce", group, 2 * _nbytes(tensor),
+    return run_collective("all_reduce", group, 2 * _nbytes(tensor),
                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
 
 
@@ -123,7 +128,7 @@ def broadcast(tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessG
     """Broadcast from the rank with index ``src_rank_in_group`` inside ``group``."""
     if group is None:
         return Handle("broadcast", None, None)
-    return _run("broadcast", group, _nbytes(tensor),
+    return run_collective("broadcast", group, _nbytes(tensor),
                 lambda: dist.broadcast(tensor, group_src=src_rank_in_group, group=group, async_op=async_op),
                 async_op)
 
@@ -134,7 +139,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist
     if group is None:
         output.copy_(input)
         return Handle("reduce_scatter", None, None)
-    return _run("reduce_scatter", group, _nbytes(input),
+    return run_collective("reduce_scatter", group, _nbytes(input),
                 lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
                 async_op)
 
@@ -146,7 +151,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dis
     if group is None:
         output.copy_(input)
         return Handle(counter, None, None)
-    return _run(counter, group, _nbytes(output),
+    return run_collective(counter, group, _nbytes(output),
                 lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op)
 
 
@@ -156,7 +161,7 @@ def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.Pro
     if group is None:
         outputs[0].copy_(input)
         return Handle("all_gather", None, None)
-    return _run("all_gather", group, sum(_nbytes(o) for o in outputs),
+    return run_collective("all_gather", group, sum(_nbytes(o) for o in outputs),
                 lambda: dist.all_gather(outputs, input, group=group, async_op=async_op), async_op)
 
 
@@ -167,7 +172,7 @@ def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], group: dist
         if output.data_ptr() != inputs[0].data_ptr():
             output.copy_(inputs[0])
         return Handle("reduce_scatter", None, None)
-    return _run("reduce_scatter", group, sum(_nbytes(i) for i in inputs),
+    return run_collective("reduce_scatter", group, sum(_nbytes(i) for i in inputs),
                 lambda: dist.reduce_scatter(output, inputs, op=op, group=group, async_op=async_op), async_op)
 
 
@@ -176,7 +181,7 @@ def reduce(tensor: torch.Tensor, dst_rank_in_group: int, group: dist.ProcessGrou
     """Sum ``tensor`` over ``group`` into the rank with index ``dst_rank_in_group`` (others: undefined)."""
     if group is None:
         return Handle("reduce", None, None)
-    return _run("reduce", group, _nbytes(tensor),
+    return run_collective("reduce", group, _nbytes(tensor),
                 lambda: dist.reduce(tensor, group_dst=dst_rank_in_group, op=op, group=group, async_op=async_op),
                 async_op)
 
@@ -188,14 +193,14 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.Pro
     if group is None:
         output.copy_(input)
         return Handle("all_to_all", None, None)
-    return _run("all_to_all", group, _nbytes(input),
+    return run_collective("all_to_all", group, _nbytes(input),
                 lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
 
 
 def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
     """Point-to-point send to global rank ``dst`` (asynchronous: wait on the handle before reusing
     ``tensor``). Counted as the tensor's bytes."""
-    return _run("send", None, _nbytes(tensor), lambda: dist.isend(tensor, dst=dst, tag=tag), async_op=True)
+    return run_collective("send", None, _nbytes(tensor), lambda: dist.isend(tensor, dst=dst, tag=tag), async_op=True)
 
 
 def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:

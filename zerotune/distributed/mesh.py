@@ -16,6 +16,8 @@ module globals.
 
 from __future__ import annotations
 
+import weakref
+
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -114,6 +116,21 @@ class ProcessMesh:
         return self.device_mesh.get_group(axis)
 
 
+_latest: weakref.ref[ProcessMesh] | None = None
+
+
 def build_mesh(dims: ParallelDims, device_type: str) -> ProcessMesh:
     """The mesh every component receives; ``device_type`` is "cuda" or "cpu"."""
-    return ProcessMesh(dims, device_type)
+    global _latest
+    mesh = ProcessMesh(dims, device_type)
+    _latest = weakref.ref(mesh)
+    return mesh
+
+
+def latest_mesh() -> ProcessMesh | None:
+    """The most recently built mesh while an engine still holds it, else None.
+
+    Only for DeepSpeed's global group queries (``deepspeed.utils.groups``), whose functions take
+    no mesh argument; zerotune's own code always receives its mesh explicitly.
+    """
+    return _latest() if _latest is not None else None

@@ -33,7 +33,7 @@ def get_logger() -> logging.Logger:
     return logger
 
 
-def log_rank0(msg: str, *args: object, rank: int) -> None:
-    """Log ``msg % args`` at INFO level, but only on rank 0 (formatting is skipped elsewhere)."""
+def log_rank0(msg: str, *args: object, rank: int, level: int = logging.INFO) -> None:
+    """Log ``msg % args`` (INFO by default), but only on rank 0 (formatting is skipped elsewhere)."""
     if rank == 0:
-        get_logger().info(msg, *args, stacklevel=2)
+        get_logger().log(level, msg, *args, stacklevel=2)

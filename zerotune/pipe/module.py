@@ -97,8 +97,7 @@ class PipelineModule(nn.Module):
                  checkpointable_layers: list[str] | None = None) -> None:
         super().__init__()
         if topology is not None:
-            raise ValueError("PipelineModule(topology=...) is not supported: give num_stages; tensor and data "
-                             "parallel sizes come from the config (tensor_parallel.autotp_size)")
+            num_stages = _stages_of_topology(topology, num_stages)
         if not isinstance(num_stages, int) or num_stages < 1:
             raise ValueError(f"PipelineModule needs num_stages >= 1, got {num_stages!r}")
         self.layer_specs = list(layers)
@@ -248,3 +247,17 @@ def _run_chunk(chunk: list[Callable]) -> Callable:
         return inputs
     return run
 
+
+def _stages_of_topology(topology: Any, num_stages: int | None) -> int:
+    """``num_stages`` from DeepSpeed's ``ProcessTopology`` (axes pipe / data / model). The tensor- and
+    data-parallel sizes come from the config, so a model axis must be 1 here."""
+    axes = list(topology.get_axis_names())
+    if "pipe" not in axes or set(axes) - {"pipe", "data", "model"}:
+        raise ValueError(f"PipelineModule(topology=...) needs axes among pipe, data, model with a pipe axis; got {axes}")
+    stages = topology.get_dim("pipe")
+    if num_stages is not None and num_stages != stages:
+        raise ValueError(f"PipelineModule(num_stages={num_stages}) contradicts the topology's pipe size {stages}")
+    if "model" in axes and topology.get_dim("model") > 1:
+        raise ValueError(f"PipelineModule(topology=...) with model-parallel size {topology.get_dim('model')}: set "
+                         "tensor_parallel.autotp_size in the config instead (zerotune lays out the mesh itself)")
+    return stages

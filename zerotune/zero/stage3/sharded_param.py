@@ -14,6 +14,7 @@ changes with the state:
 from __future__ import annotations
 
 import enum
+import itertools
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from zerotune.zero.stage3.segment import FlatSegment
 
 _ATTRIBUTE = "_zerotune_sharded"
+_ids = itertools.count()
 
 
 class ParamState(enum.Enum):
@@ -50,6 +52,11 @@ class ShardedParam:
         self._placeholder = placeholder(param.shape, full_view.dtype, full_view.device)
         self.state = ParamState.UNSHARDED
         setattr(param, _ATTRIBUTE, self)
+        # DeepSpeed's markers of a partitioned parameter, which Hugging Face and user code read
+        # (``hasattr(p, "ds_id")``, ``p.ds_numel`` for parameter counts, ``p.ds_shape``).
+        if not hasattr(param, "ds_id"):
+            param.ds_id = next(_ids)
+        param.ds_shape, param.ds_numel = param.shape, self.numel
 
     @property
     def placeholder_ptr(self) -> int:

@@ -19,14 +19,33 @@ from zerotune.zero.stage3.sharded_param import sharded_param_of
 from zerotune.zero.stage3.unit import BufferPool, ParamUnit
 
 ROOT = ""
+EXTERNAL_PARAMS = "_zerotune_external_params"  # set by zero.register_external_parameter
 
 
 def unit_module_names(model: torch.nn.Module) -> list[str]:
-    """Names of the modules that become units (the root, ``""``, excluded)."""
+    """Names of the modules that become units (the root, ``""``, excluded), in model order.
+
+    A module marked as a ZeRO-3 leaf (``set_z3_leaf_modules``, DeepSpeed's API: an MoE block
+    whose experts run data-dependently, say) is gathered whole as one unit: its descendants
+    are never units of their own.
+    """
     block_classes = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
-    if block_classes:
-        return [n for n, m in model.named_modules() if n != ROOT and type(m).__name__ in block_classes]
-    return [n for n, m in model.named_modules() if n != ROOT and next(m.parameters(recurse=False), None) is not None]
+
+    def is_unit(module: torch.nn.Module) -> bool:
+        if block_classes:
+            return type(module).__name__ in block_classes
+        return next(module.parameters(recurse=False), None) is not None
+
+    names: list[str] = []
+    whole: list[str] = []  # leaves: their descendants are gathered with them
+    for name, module in model.named_modules():
+        if name == ROOT or any(name.startswith(outer + ".") for outer in whole):
+            continue
+        if getattr(module, "_z3_leaf", False) or is_unit(module):
+            names.append(name)
+            if getattr(module, "_z3_leaf", False):
+                whole.append(name)
+    return names
 
 
 def _nearest_unit(module_name: str, units: set[str]) -> str:
@@ -46,7 +65,8 @@ def assign_params(model: torch.nn.Module, unit_names: Sequence[str]) -> dict[str
     params: dict[int, torch.nn.Parameter] = {}
     for module_name, module in model.named_modules():
         unit = _nearest_unit(module_name, units)
-        for param in module.parameters(recurse=False):
+        # register_external_parameter: a parameter this module uses but another one owns counts as shared.
+        for param in [*module.parameters(recurse=False), *getattr(module, EXTERNAL_PARAMS, ())]:
             if id(param) in owner and owner[id(param)] != unit:
                 owner[id(param)] = ROOT
             else:

@@ -1,0 +1,129 @@
+"""The ``deepspeed`` import alias: ``import deepspeed.<path>`` resolves to zerotune's modules.
+
+Three pieces, installed together by ``install_deepspeed_alias()``:
+
+* a meta-path finder that answers every ``deepspeed`` / ``deepspeed.*`` import from the table
+  in ``zerotune.compat.paths``: a mapped path becomes *the same module object* as its zerotune
+  target (so ``isinstance`` and monkey-patching see one class, one module); a refused path
+  raises ``DeepSpeedFeatureNotSupported`` naming the feature; any other path is a
+  ``ModuleNotFoundError`` naming what is supported (never a silent fall-through that would
+  import a second copy of a zerotune file under a DeepSpeed name);
+* the same finder answers ``importlib.metadata`` for the distribution "deepspeed" with
+  ``DEEPSPEED_VERSION``, which is what transformers and accelerate check before using it;
+* nothing else: no file is written and nothing outside this process changes.
+
+The finder goes first on ``sys.meta_path``, so an installed DeepSpeed is shadowed while the
+alias is on (that is the point: the script runs on zerotune).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Iterable
+
+from zerotune.compat.paths import DEEPSPEED_MODULES, REFUSED_MODULES, DeepSpeedFeatureNotSupported
+
+# The DeepSpeed release whose public API the compatibility package follows. transformers needs
+# >= 0.9.3, accelerate checks feature gates against it; the local part says what it really is.
+DEEPSPEED_VERSION = "0.18.0+zerotune"
+
+
+class _AliasLoader(importlib.abc.Loader):
+    """Hands out the already-imported target module under the DeepSpeed name."""
+
+    def __init__(self, target: str) -> None:
+        self._target = target
+        self._target_spec: importlib.machinery.ModuleSpec | None = None
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        module = importlib.import_module(self._target)
+        self._target_spec = module.__spec__
+        return module
+
+    def exec_module(self, module: ModuleType) -> None:
+        # importlib stamped the alias spec on the module; the module keeps its own identity.
+        module.__spec__ = self._target_spec
+
+
+class _RefusingLoader(importlib.abc.Loader):
+    def __init__(self, name: str, feature: str) -> None:
+        self._name, self._feature = name, feature
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        raise DeepSpeedFeatureNotSupported(self._name, self._feature)
+
+    def exec_module(self, module: ModuleType) -> None:  # never reached
+        raise DeepSpeedFeatureNotSupported(self._name, self._feature)
+
+
+class _DeepSpeedDistribution(importlib.metadata.Distribution):
+    """What ``importlib.metadata.version("deepspeed")`` finds while the alias is on."""
+
+    def read_text(self, filename: str) -> str | None:
+        if filename == "METADATA":
+            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
+                    "Summary: zerotune's DeepSpeed compatibility alias\nAuthor: zerotune\n")
+        return None
+
+    def locate_file(self, path: Any) -> Path:
+        return Path(__file__).parent / str(path)
+
+
+class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
+    """Resolves ``deepspeed`` and ``deepspeed.*`` (see the module docstring)."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "deepspeed" and not fullname.startswith("deepspeed."):
+            return None
+        if fullname in REFUSED_MODULES:
+            return importlib.machinery.ModuleSpec(fullname, _RefusingLoader(fullname, REFUSED_MODULES[fullname]))
+        mapped = DEEPSPEED_MODULES.get(fullname)
+        if mapped is None:
+            raise ModuleNotFoundError(
+                f"zerotune's DeepSpeed alias has no module '{fullname}'; the supported DeepSpeed modules are "
+                f"listed by `python -m zerotune.compat.listing` (README: Using it from a DeepSpeed script)",
+                name=fullname)
+        spec = importlib.machinery.ModuleSpec(fullname, _AliasLoader(mapped.module), is_package=True)
+        return spec
+
+    def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()
+                           ) -> Iterable[importlib.metadata.Distribution]:
+        name = getattr(context, "name", None)
+        if name is None or name.replace("_", "-").lower() == "deepspeed":
+            return iter([_DeepSpeedDistribution()])
+        return iter(())
+
+
+_FINDER = DeepSpeedAliasFinder()
+
+
+def install_deepspeed_alias() -> None:
+    """Make ``import deepspeed`` (and every supported ``deepspeed.<path>``) resolve to zerotune in
+    this process, and ``importlib.metadata.version("deepspeed")`` report ``DEEPSPEED_VERSION``.
+    Idempotent. Modules already imported under a ``deepspeed`` name (a real DeepSpeed) are dropped
+    from ``sys.modules`` so the next import sees zerotune."""
+    if _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
+        _forget_deepspeed_modules()
+
+
+def uninstall_deepspeed_alias() -> None:
+    """Undo ``install_deepspeed_alias`` (the aliased names are removed from ``sys.modules``)."""
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
+        _forget_deepspeed_modules()
+
+
+def deepspeed_alias_installed() -> bool:
+    return _FINDER in sys.meta_path
+
+
+def _forget_deepspeed_modules() -> None:
+    for name in [n for n in sys.modules if n == "deepspeed" or n.startswith("deepspeed.")]:
+        del sys.modules[name]

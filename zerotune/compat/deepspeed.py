@@ -1,0 +1,28 @@
+"""``import deepspeed``: the top-level names of DeepSpeed, each one zerotune's own object."""
+
+from __future__ import annotations
+
+from zerotune import comm
+from zerotune.compat import accelerator, checkpointing, ops, pipe, runtime, utils, zero
+from zerotune.compat.alias import DEEPSPEED_VERSION
+from zerotune.compat.lr_schedules import add_tuning_arguments
+from zerotune.compat.refusals import refused_class, refused_function
+from zerotune.compat.runtime import DeepSpeedConfig, DeepSpeedEngine
+from zerotune.distributed.env import init_distributed
+from zerotune.initialize import add_config_arguments, initialize
+from zerotune.pipe.engine import PipelineEngine
+
+__version__ = DEEPSPEED_VERSION
+__version_major__, __version_minor__, __version_patch__ = (int(p) for p in DEEPSPEED_VERSION.split("+")[0].split("."))
+__git_hash__ = "zerotune"
+__git_branch__ = "zerotune"
+
+init_inference = refused_function("deepspeed.init_inference")
+DeepSpeedTransformerLayer = refused_class("deepspeed.DeepSpeedTransformerLayer")
+DeepSpeedTransformerConfig = refused_class("deepspeed.DeepSpeedTransformerConfig")
+
+__all__ = [
+    "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
+    "PipelineEngine", "DeepSpeedConfig", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator", "utils",
+    "runtime", "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
+]

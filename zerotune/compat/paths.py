@@ -1,0 +1,119 @@
+"""Which DeepSpeed module paths exist under the ``deepspeed`` alias, and what each one is.
+
+The one table of the compatibility layer: each DeepSpeed path maps onto a zerotune module
+(zerotune's own where the names already match, else a small ``zerotune.compat`` module that
+gives zerotune's objects DeepSpeed's names) and lists the public names DeepSpeed code takes
+from it. ``python -m zerotune.compat.listing`` prints the table; the README's list is
+generated from it, and a test imports every listed name through the alias.
+
+Refused paths are DeepSpeed features zerotune does not have; importing one raises
+``DeepSpeedFeatureNotSupported`` (an ImportError, so ``try: import ... except ImportError``
+probes keep working) with one line naming the feature.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class DeepSpeedFeatureNotSupported(ImportError, NotImplementedError):
+    """A DeepSpeed feature zerotune does not implement was imported or called."""
+
+    def __init__(self, name: str, feature: str) -> None:
+        super().__init__(f"{name}: {feature} is a DeepSpeed feature zerotune does not support", name=name)
+
+
+@dataclass(frozen=True)
+class Mapped:
+    module: str
+    """The zerotune module that *is* the DeepSpeed module under the alias."""
+    names: tuple[str, ...]
+    """The DeepSpeed names client code takes from it (checked by the tests)."""
+
+
+_COMM = ("init_distributed", "is_initialized", "is_available", "get_rank", "get_world_size", "get_local_rank",
+         "get_global_rank", "get_world_group", "get_all_ranks_from_group", "get_backend", "new_group",
+         "destroy_process_group", "all_reduce", "inference_all_reduce", "all_reduce_coalesced", "broadcast",
+         "all_gather", "all_gather_into_tensor", "allgather_fn", "reduce_scatter_tensor", "reduce_scatter_fn",
+         "reduce_scatter", "reduce", "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv",
+         "isend", "irecv", "barrier", "monitored_barrier", "has_all_reduce_coalesced",
+         "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "configure", "log_summary", "ReduceOp")
+_ACCELERATOR = ("get_accelerator", "set_accelerator", "is_current_accelerator_supported")
+_PIPE = ("PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology", "PipeDataParallelTopology",
+         "PipeModelDataParallelTopology")
+_ZERO = ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter")
+_CHECKPOINTING = ("checkpoint", "configure", "is_configured", "reset", "non_reentrant_checkpoint",
+                  "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "CudaRNGStatesTracker")
+_LR_SCHEDULES = ("VALID_LR_SCHEDULES", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARMUP_DECAY_LR",
+                 "WARMUP_COSINE_LR", "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
+                 "add_tuning_arguments")
+_OPS_ADAM = ("FusedAdam", "DeepSpeedCPUAdam")
+
+DEEPSPEED_MODULES: dict[str, Mapped] = {
+    "deepspeed": Mapped("zerotune.compat.deepspeed", (
+        "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
+        "PipelineEngine", "DeepSpeedConfig", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator",
+        "utils", "runtime", "__version__", "__version_major__", "__version_minor__", "__version_patch__",
+        "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig")),
+    "deepspeed.comm": Mapped("zerotune.comm", _COMM),
+    "deepspeed.comm.comm": Mapped("zerotune.comm", _COMM),
+    "deepspeed.accelerator": Mapped("zerotune.compat.accelerator", _ACCELERATOR),
+    "deepspeed.accelerator.real_accelerator": Mapped("zerotune.compat.accelerator", _ACCELERATOR),
+    "deepspeed.accelerator.abstract_accelerator": Mapped("zerotune.compat.accelerator", ("DeepSpeedAccelerator",)),
+    "deepspeed.utils": Mapped("zerotune.compat.utils", (
+        "logger", "log_dist", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+        "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx")),
+    "deepspeed.utils.logging": Mapped("zerotune.compat.utils", ("logger", "log_dist")),
+    "deepspeed.utils.z3_leaf_module": Mapped("zerotune.compat.utils", (
+        "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module")),
+    "deepspeed.utils.groups": Mapped("zerotune.compat.groups", (
+        "_get_data_parallel_group", "_get_data_parallel_world_size", "_get_data_parallel_rank",
+        "_get_model_parallel_group", "_get_model_parallel_world_size", "_get_model_parallel_rank",
+        "_get_sequence_parallel_group", "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank",
+        "_get_pipe_parallel_group", "get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size",
+        "get_tensor_model_parallel_rank")),
+    "deepspeed.runtime": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine", "DeepSpeedConfig", "zero", "pipe",
+                                                            "lr_schedules", "utils")),
+    "deepspeed.runtime.engine": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine",)),
+    "deepspeed.runtime.config": Mapped("zerotune.compat.runtime", ("DeepSpeedConfig",)),
+    "deepspeed.runtime.utils": Mapped("zerotune.compat.runtime", ("set_random_seed", "see_memory_usage")),
+    "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
+    "deepspeed.runtime.lr_schedules": Mapped("zerotune.compat.lr_schedules", _LR_SCHEDULES),
+    "deepspeed.runtime.zero": Mapped("zerotune.compat.zero", _ZERO),
+    "deepspeed.runtime.zero.partition_parameters": Mapped("zerotune.compat.zero", (
+        *_ZERO, "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator")),
+    "deepspeed.zero": Mapped("zerotune.compat.zero", _ZERO),
+    "deepspeed.pipe": Mapped("zerotune.compat.pipe", _PIPE),
+    "deepspeed.runtime.pipe": Mapped("zerotune.compat.pipe", _PIPE),
+    "deepspeed.runtime.pipe.module": Mapped("zerotune.compat.pipe", ("PipelineModule", "LayerSpec", "TiedLayerSpec")),
+    "deepspeed.runtime.pipe.topology": Mapped("zerotune.compat.pipe", (
+        "ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology")),
+    "deepspeed.runtime.pipe.engine": Mapped("zerotune.compat.pipe", ("PipelineEngine",)),
+    "deepspeed.checkpointing": Mapped("zerotune.compat.checkpointing", _CHECKPOINTING),
+    "deepspeed.runtime.activation_checkpointing": Mapped("zerotune.compat.checkpointing", _CHECKPOINTING),
+    "deepspeed.runtime.activation_checkpointing.checkpointing": Mapped("zerotune.compat.checkpointing",
+                                                                        _CHECKPOINTING),
+    "deepspeed.checkpoint": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",)),
+    "deepspeed.checkpoint.utils": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",)),
+    "deepspeed.ops": Mapped("zerotune.compat.ops", ("adam", "lamb")),
+    "deepspeed.ops.adam": Mapped("zerotune.compat.ops", _OPS_ADAM),
+    "deepspeed.ops.lamb": Mapped("zerotune.compat.ops", ("FusedLamb",)),
+}
+
+REFUSED_MODULES: dict[str, str] = {
+    "deepspeed.inference": "inference (init_inference, kernel injection)",
+    "deepspeed.module_inject": "inference kernel injection",
+    "deepspeed.moe": "Mixture-of-Experts layers (deepspeed.moe)",
+    "deepspeed.moe.layer": "Mixture-of-Experts layers (deepspeed.moe)",
+    "deepspeed.ops.sparse_attention": "sparse attention (deepspeed.ops.sparse_attention)",
+    "deepspeed.ops.transformer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
+    "deepspeed.compression": "the compression library (deepspeed.compression)",
+    "deepspeed.compression.compress": "the compression library (deepspeed.compression)",
+}
+
+# Names refused when *called* (they live in modules that are otherwise supported).
+REFUSED_NAMES: dict[str, str] = {
+    "deepspeed.init_inference": "inference (init_inference, kernel injection)",
+    "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
+    "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",
+}

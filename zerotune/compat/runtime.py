@@ -1,0 +1,71 @@
+"""``deepspeed.runtime`` (and its ``engine``, ``config``, ``utils``, ``dataloader`` modules)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch.distributed as dist
+
+from zerotune.compat import lr_schedules, pipe, zero
+from zerotune.compat.utils import RepeatingLoader, set_random_seed
+from zerotune.config import load_config, resolve_config
+from zerotune.engine import Engine as DeepSpeedEngine
+from zerotune.monitor.logging import get_logger
+
+__all__ = ["DeepSpeedEngine", "DeepSpeedConfig", "RepeatingLoader", "set_random_seed", "see_memory_usage", "zero",
+           "pipe", "lr_schedules", "utils"]
+
+# deepspeed.runtime.{engine, config, utils, dataloader} are all this module under the alias.
+engine = config = utils = dataloader = sys.modules[__name__]
+
+
+class DeepSpeedConfig:
+    """A config file or dict read the way DeepSpeed's ``DeepSpeedConfig`` exposes it.
+
+    The batch triple is solved for the data-parallel size of the current world (every rank data
+    parallel unless ``mpu`` says otherwise), "auto" values take their defaults, and the usual
+    attributes are set (``train_batch_size``, ``zero_optimization_stage``, ``fp16_enabled``, ...).
+    ``config`` is the resolved zerotune config; ``_param_dict`` the resolved dict.
+    """
+
+    def __init__(self, config: Any, mpu: Any = None, mesh_device: Any = None) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+        dp = mpu.get_data_parallel_world_size() if mpu is not None else world
+        resolved = resolve_config(load_config(config), dp_world_size=dp, strict=False)
+        self.config = resolved
+        self._param_dict = resolved.to_dict()
+        self.world_size = dp
+        self.train_batch_size = resolved.train_batch_size
+        self.train_micro_batch_size_per_gpu = resolved.train_micro_batch_size_per_gpu
+        self.gradient_accumulation_steps = resolved.gradient_accumulation_steps
+        self.steps_per_print = resolved.steps_per_print
+        self.wall_clock_breakdown = resolved.wall_clock_breakdown
+        self.gradient_clipping = resolved.gradient_clipping
+        self.zero_config = resolved.zero_optimization
+        self.zero_optimization_stage = resolved.zero_optimization.stage
+        self.zero_enabled = self.zero_optimization_stage > 0 if isinstance(self.zero_optimization_stage, int) else True
+        self.fp16_enabled = resolved.fp16.enabled is True
+        self.bfloat16_enabled = resolved.bf16.enabled is True
+        self.optimizer_name = resolved.optimizer.type.lower() if resolved.optimizer else None
+        self.optimizer_params = dict(resolved.optimizer.params) if resolved.optimizer else None
+        self.scheduler_name = resolved.scheduler.type if resolved.scheduler else None
+        self.scheduler_params = dict(resolved.scheduler.params) if resolved.scheduler else None
+        self.activation_checkpointing_config = resolved.activation_checkpointing
+        self.checkpoint_tag_validation_enabled = resolved.checkpoint.tag_validation != "Ignore"
+        self.checkpoint_tag_validation_fail = resolved.checkpoint.tag_validation == "Fail"
+
+    def print(self, name: str) -> None:
+        get_logger().info("%s: %s", name, self._param_dict)
+
+
+def see_memory_usage(message: str, force: bool = False) -> None:
+    """Log this process's memory (DeepSpeed's helper); only when ``force`` is true, as DeepSpeed."""
+    if not force:
+        return
+    from zerotune.compat.accelerator import get_accelerator
+
+    accelerator = get_accelerator()
+    get_logger().info("%s | allocated %.2f GB | max allocated %.2f GB", message,
+                      accelerator.memory_allocated() / 2**30, accelerator.max_memory_allocated() / 2**30)

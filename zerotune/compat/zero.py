@@ -1,0 +1,51 @@
+"""``deepspeed.zero`` / ``deepspeed.runtime.zero.partition_parameters``: zerotune's ZeRO-3 contexts
+plus ``register_external_parameter``."""
+
+from __future__ import annotations
+
+import torch
+
+from zerotune.compat.accelerator import get_accelerator
+from zerotune.zero import GatheredParameters, Init, WeightLoadingError, load_partitioned_weights
+from zerotune.zero.stage3.wrap import EXTERNAL_PARAMS
+
+# transformers' ZeRO-3 loading swaps these two in and out around ``zero.Init`` (it patches DeepSpeed's
+# constructor wrapping to keep ``torch.arange`` integer). zerotune's Init wraps no constructors, so the
+# wrapper is never installed; the names exist so that code runs unchanged.
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype):  # noqa: ANN001, ANN201
+    """DeepSpeed's constructor wrapper: floating-point results in ``target_fp_dtype`` on this accelerator."""
+    def wrapped(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        kwargs.setdefault("device", get_accelerator().current_device_name())
+        tensor = fn(*args, **kwargs)
+        return tensor.to(target_fp_dtype) if tensor.is_floating_point() else tensor
+
+    return wrapped
+
+__all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+           "load_partitioned_weights", "WeightLoadingError", "get_accelerator", "zero_wrapper_for_fp_tensor_constructor"]
+
+
+def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    """Declare that ``module``'s forward uses ``parameter``, which another module owns.
+
+    At stage 3 such a parameter is then gathered for both modules (it joins the root unit, as
+    shared weights do). Call it before ``initialize``, which lays out the units.
+    """
+    if not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError(f"register_external_parameter needs an nn.Parameter, got {type(parameter).__name__}")
+    external = getattr(module, EXTERNAL_PARAMS, None)
+    if external is None:
+        external = []
+        setattr(module, EXTERNAL_PARAMS, external)
+    if all(p is not parameter for p in external):
+        external.append(parameter)
+
+
+def unregister_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
+    external = getattr(module, EXTERNAL_PARAMS, [])
+    if all(p is not parameter for p in external):
+        raise ValueError("unregister_external_parameter: the parameter was not registered on this module")
+    external[:] = [p for p in external if p is not parameter]

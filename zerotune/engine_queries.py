@@ -1,0 +1,138 @@
+"""The read-only answers a training script asks an engine (DeepSpeed's accessor methods).
+
+They are plain queries of the engine's config, mesh and precision policy, kept apart from the
+step logic in ``engine.py`` so that file reads as one step's phases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerotune.distributed.mpu import ModelParallelUnit
+from zerotune.zero.replicated_state import ReplicatedState
+
+
+class EngineQueries:
+    """Mixed into ``Engine``; relies on its ``env``, ``mesh``, ``policy``, ``state``, ``optimizer``,
+    ``client_optimizer``, ``loss_scaler`` and ``_config`` attributes."""
+
+    @property
+    def device(self) -> torch.device:
+        return self.env.device
+
+    @property
+    def local_rank(self) -> int:
+        return self.env.local_rank
+
+    @property
+    def global_rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.mesh.size("dp")
+
+    @property
+    def mpu(self) -> ModelParallelUnit:
+        """Megatron-style rank and group queries (``get_data_parallel_rank()``, ...), as DeepSpeed's ``engine.mpu``."""
+        return ModelParallelUnit(self.mesh)
+
+    @property
+    def config(self) -> dict:
+        return self._config.to_dict()
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    @property
+    def trainable_params(self) -> list[torch.nn.Parameter]:
+        return self.state.params
+
+    @property
+    def sharded(self) -> bool:
+        """Whether optimizer state and masters are partitioned over the data-parallel ranks (ZeRO >= 1)."""
+        return not isinstance(self.state, ReplicatedState)
+
+    @property
+    def grad_sync(self):
+        """The stage's gradient sync strategy (all-reduce, reduce-at-boundary or bucketed reduce)."""
+        return self.state.grad_sync
+
+    def gradient_accumulation_steps(self) -> int:
+        return self._config.gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self._config.train_micro_batch_size_per_gpu
+
+    def train_batch_size(self) -> int:
+        return self._config.train_batch_size
+
+    def zero_optimization_stage(self) -> int:
+        return self._config.zero_optimization.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.policy.param_dtype == torch.float16
+
+    def bfloat16_enabled(self) -> bool:
+        return self.policy.param_dtype == torch.bfloat16
+
+    bf16_enabled = bfloat16_enabled
+
+    def gradient_clipping(self) -> float:
+        return self._config.gradient_clipping
+
+    def steps_per_print(self) -> int:
+        return self._config.steps_per_print
+
+    def get_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups] if self.optimizer else []
+
+    def get_global_grad_norm(self) -> float | None:
+        """Global L2 norm of the (unscaled) gradients before clipping, at the last boundary."""
+        return self._last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """False when the last boundary's step was skipped for an fp16 overflow."""
+        return self._step_applied
+
+    def optimizer_name(self) -> str | None:
+        """The client optimizer's class name, else the config's optimizer type (lower-cased, as DeepSpeed)."""
+        if self.client_optimizer is not None:
+            return type(self.client_optimizer).__name__
+        optimizer = self._config.optimizer
+        return optimizer.type.lower() if optimizer is not None else None
+
+    def wall_clock_breakdown(self) -> bool:
+        return self._config.wall_clock_breakdown
+
+    def get_loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def get_data_parallel_group(self) -> Any:
+        """The data-parallel process group (the world's group when every rank is data parallel)."""
+        return self.mesh.group("dp") or torch.distributed.group.WORLD
+
+    def zero_optimization_partition_gradients(self) -> bool:
+        return self.zero_optimization_stage() >= 2
+
+    def zero_optimization_partition_weights(self) -> bool:
+        return self.zero_optimization_stage() >= 3
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
+
+    def zero_cpu_offload(self) -> bool:
+        return self._config.zero_optimization.offload_optimizer.device == "cpu"
+
+    def get_mom(self) -> list:
+        """Each group's momentum: Adam's beta1 pair, or SGD's momentum."""
+        if self.optimizer is None:
+            return []
+        return [group.get("betas", group.get("momentum")) for group in self.optimizer.param_groups]
