@@ -1,0 +1,70 @@
+"""Unmodified DeepSpeed-style client scripts (tests/deepspeed_clients) run through
+``zerotune run --as-deepspeed``: the alias is installed in every rank before the script starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zerotune.cli.run import _split_own_flags
+
+CLIENTS = Path(__file__).resolve().parent / "deepspeed_clients"
+
+
+def _run(script: str, *script_args: str, nproc: int = 2, timeout: int = 240) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, "-m", "zerotune.cli.main", "run", "--as-deepspeed", "--nproc_per_node", str(nproc),
+               str(CLIENTS / script), *script_args]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=Path(__file__).resolve().parent.parent)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return sorted(rows, key=lambda row: row["rank"])
+
+
+def test_own_flags_are_told_apart_from_torchrun_options_and_script_flags() -> None:
+    own, rest = _split_own_flags(["--as-deepspeed", "--nproc_per_node", "2", "t.py", "--no_local_rank", "x"])
+    assert own == {"--as-deepspeed"} and rest == ["--nproc_per_node", "2", "t.py", "--no_local_rank", "x"]
+    own, rest = _split_own_flags(["--nproc_per_node", "2", "--as-deepspeed", "--no_local_rank", "t.py"])
+    assert own == {"--as-deepspeed", "--no_local_rank"} and rest == ["--nproc_per_node", "2", "t.py"]
+
+
+def test_accelerator_and_comm_script() -> None:
+    rows = _run("comm_and_accelerator.py")
+    assert [row["rank"] for row in rows] == [0, 1]
+    for rank, row in enumerate(rows):
+        assert row["local_rank_arg"] == rank  # passed like DeepSpeed's launcher
+        assert row["sum"] == [3.0] * 4 and row["gathered"] == [0.0, 1.0] and row["dp"] == 2
+        assert row["backend"] == "gloo" and row["version"].endswith("+zerotune")
+
+
+@pytest.mark.slow
+def test_cifar_style_training_script_matches_plain_pytorch(tmp_path: Path) -> None:
+    config = tmp_path / "ds_config.json"
+    config.write_text(json.dumps({"train_batch_size": 8, "gradient_accumulation_steps": 2, "steps_per_print": 100,
+                                  "zero_optimization": {"stage": 1}}))
+    rows = _run("train_cifar_style.py", "--deepspeed_config", str(config), "--save_dir", str(tmp_path / "ckpt"))
+    assert rows[0]["steps"] == 6 and rows[0]["keys"] == ["0.bias", "0.weight"]
+    assert len(rows[0]["losses"]) == len(rows[0]["reference"]) == 12
+    for got, want in zip(rows[0]["losses"], rows[0]["reference"]):
+        assert abs(got - want) <= 1e-5 * abs(want), (rows[0]["losses"], rows[0]["reference"])
+
+
+@pytest.mark.slow
+def test_pipeline_script_with_a_topology() -> None:
+    config_rows = _run("pipeline_alexnet_style.py", "--deepspeed_config",
+                       str(CLIENTS / "pipeline_config.json"), nproc=2)
+    assert all(row["stages"] == 2 for row in config_rows)
+    assert config_rows[0]["losses"] == config_rows[1]["losses"] and len(config_rows[0]["losses"]) == 4
+
+
+@pytest.mark.slow
+def test_zero3_init_script(tmp_path: Path) -> None:
+    rows = _run("zero3_init.py", "--out", str(tmp_path))
+    assert all(row["has_ds"] and row["saved"] and row["stage"] == 3 for row in rows)
+    assert (tmp_path / "model.safetensors").exists()
