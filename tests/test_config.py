@@ -204,10 +204,12 @@ def test_unsupported_deepspeed_block():
     assert "'flops_profiler' is a DeepSpeed feature zerotune does not support; remove the block" in str(info.value)
 
 
-@pytest.mark.parametrize("block", ["compression_training", "autotuning", "elasticity", "amp", "sparse_attention"])
-def test_more_unsupported_blocks(block):
-    with pytest.raises(NotSupportedError):
-        load_config({block: {}})
+@pytest.mark.parametrize("block, value", [("compression_training", {}), ("sparse_attention", {}),
+                                          ("autotuning", {"enabled": True}), ("elasticity", {"enabled": True}),
+                                          ("amp", {"enabled": True})])
+def test_more_unsupported_blocks(block, value):
+    with pytest.raises(NotSupportedError, match=f"'{block}' is a DeepSpeed feature zerotune does not support"):
+        load_config({block: value})
 
 
 def test_unsupported_nested_deepspeed_option():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -176,3 +178,30 @@ def test_client_optimizer_with_config_block_is_used_and_the_block_reported() -> 
     assert results[0]["client_used"] and len(results[0]["client_warning"]) == 1
     assert "using the client optimizer" in results[0]["client_warning"][0]
     assert results[1]["client_warning"] == []  # logged on rank 0 only
+
+
+def _tags(policy: str, directory: str) -> str:
+    import os
+
+    engine, *_ = zerotune.initialize(model=make_mlp(), config=_config(0, checkpoint={"tag_validation": policy}))
+    rank = torch.distributed.get_rank()
+    try:
+        with recorded_messages(level=logging.WARNING) as messages:
+            engine.save_checkpoint(directory, tag=f"t{rank}")
+    except Exception as error:  # noqa: BLE001 - the message is the result
+        return f"error: {error}"
+    finally:
+        engine.destroy()
+    return f"saved {sorted(os.listdir(directory))} {messages}"
+
+
+@pytest.mark.parametrize("policy", ["Ignore", "Warn", "Fail"])
+def test_checkpoint_tag_validation_is_honoured(policy: str, tmp_path) -> None:
+    results = run_distributed(_tags, 2, policy, str(tmp_path))
+    if policy == "Fail":
+        assert all("ranks passed different checkpoint tags: ['t0', 't1'] (checkpoint.tag_validation is Fail)" in r
+                   for r in results)
+        return
+    assert all(r.startswith("saved ['latest', 't0']") for r in results)  # one whole checkpoint, rank 0's tag
+    warned = "saving every rank under rank 0's tag 't0'" in results[0]
+    assert warned == (policy == "Warn")

@@ -147,6 +147,9 @@ class Engine(EngineQueries, torch.nn.Module):
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync block first (the "
                                "gradients accumulated there are reduced by the next backward outside it)")
         boundary = self.is_gradient_accumulation_boundary()
+        if boundary and self.optimizer is None:
+            raise RuntimeError("engine.step() needs an optimizer: pass initialize(optimizer=...) or add an "
+                               "'optimizer' block to the config")
         if boundary:
             with self.timers("reduce"):
                 self.grad_sync.finish()

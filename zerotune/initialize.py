@@ -293,6 +293,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     mesh = build_mesh(parallel_dims(raw, env.world_size, model), env.device.type)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=_auto_values(raw, model))
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
+    for path, message in cfg.notes:
+        log_rank0("config %s: %s", path, message, rank=env.rank)
     check_model_parallel_composes(cfg, mesh)
     check_pipeline_composes(cfg, mesh)
     # The config is the source of truth for zerotune.checkpointing.checkpoint(...) calls and for blocks wrapped by

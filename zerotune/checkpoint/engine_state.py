@@ -20,6 +20,8 @@ Layout of ``<save_dir>/<tag>/`` (written through ``checkpoint.atomic``):
 
 from __future__ import annotations
 
+import logging
+
 import random
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +32,7 @@ import torch
 from zerotune.checkpoint.atomic import (CheckpointError, partial_dir, prepare_partial_dir, publish, read_file,
                                         resolve_tag, write_file_atomically)
 from zerotune.distributed import comm
-from zerotune.monitor.logging import get_logger
+from zerotune.monitor.logging import get_logger, log_rank0
 from zerotune.parallel.tensor.state_dict import iter_full_tensors, shard_state_dict
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 
@@ -213,12 +215,25 @@ def _load_sharded_optimizer_state(engine: Engine, saved: dict, path: Path) -> No
                 master.copy_(shard)
 
 
-def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_state: dict,
-                           save_latest: bool) -> None:
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
+def _agreed_tag(engine: Engine, tag: str) -> str:
+    """The tag every rank saves under: rank 0's. Ranks passing different tags is handled as
+    ``checkpoint.tag_validation`` says (DeepSpeed's key): Fail raises, Warn logs, Ignore says nothing;
+    the files always go to one tag, so the checkpoint stays whole."""
     tags = comm.all_gather_object(tag, None if engine.world_size == 1 else torch.distributed.group.WORLD)
     if len(set(tags)) != 1:
-        raise CheckpointError(f"ranks passed different checkpoint tags: {tags}")
+        policy = engine._config.checkpoint.tag_validation
+        message = f"ranks passed different checkpoint tags: {tags}"
+        if policy == "Fail":
+            raise CheckpointError(f"{message} (checkpoint.tag_validation is Fail)")
+        if policy == "Warn":
+            log_rank0("%s; saving every rank under rank 0's tag '%s' (checkpoint.tag_validation: Warn)", message,
+                      tags[0], rank=engine.global_rank, level=logging.WARNING)
+    return tags[0]
+
+
+def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_state: dict,
+                           save_latest: bool) -> None:
+    tag = _agreed_tag(engine, str(tag) if tag is not None else f"global_step{engine.global_steps}")
     if engine.global_rank == 0:
         prepare_partial_dir(save_dir, tag)
     comm.barrier()

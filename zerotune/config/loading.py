@@ -50,7 +50,8 @@ def load_config(source: Any) -> ZeroTuneConfig:
 
 def config_from_dict(raw: dict[str, Any]) -> ZeroTuneConfig:
     """Passes 2-4 on an already-read dict; provenance marks given keys "file"."""
-    normalized = normalize_keys(raw, ZeroTuneConfig, "")
+    notes: list[tuple[str, str]] = []
+    normalized = normalize_keys(raw, ZeroTuneConfig, "", notes)
     try:
         cfg = ZeroTuneConfig.model_validate(normalized)
     except ValidationError as exc:
@@ -59,6 +60,7 @@ def config_from_dict(raw: dict[str, Any]) -> ZeroTuneConfig:
         raise ConfigError("", "config is nested too deeply") from None
     check_cross_section(cfg)
     cfg._provenance.update(_given_provenance(cfg, normalized))
+    cfg._notes.extend(notes)
     return cfg
 
 
@@ -69,13 +71,22 @@ def _plain_copy(source: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError("", f"config dict cannot be copied: {exc}") from None
 
 
-def normalize_keys(raw: Mapping[Any, Any], cls: type[Section], prefix: str) -> dict[str, Any]:
-    """Rename aliases and reject unknown or unsupported keys, recursing into sections."""
+def normalize_keys(raw: Mapping[Any, Any], cls: type[Section], prefix: str,
+                   notes: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Rename aliases and legacy keys, drop ``_comment`` keys and accepted no-effect keys (noting them
+    in ``notes``), and reject unknown or unsupported keys, recursing into sections."""
+    notes = [] if notes is None else notes
+    bad = next((k for k in raw if not isinstance(k, str)), None)
+    if bad is not None:
+        raise ConfigError(join(prefix, _printable(bad)), f"config keys must be strings, got {type(bad).__name__} "
+                                                          f"{show_value(bad)}")
+    raw = cls.translate_legacy({k: v for k, v in raw.items() if not k.startswith("_")}, prefix, notes)
     result: dict[str, Any] = {}
     for key, value in raw.items():
         path = join(prefix, _printable(key))
-        if not isinstance(key, str):
-            raise ConfigError(path, f"config keys must be strings, got {type(key).__name__} {show_value(key)}")
+        if key in cls.NO_EFFECT:
+            _accept_no_effect(path, value, cls.NO_EFFECT[key], notes)
+            continue
         name = cls.ALIASES.get(key, key)
         if name in cls.UNSUPPORTED:
             what = "feature" if not prefix else "option"
@@ -84,8 +95,19 @@ def normalize_keys(raw: Mapping[Any, Any], cls: type[Section], prefix: str) -> d
             raise ConfigError(path, _unknown_key_message(key, cls))
         if name in result:
             raise ConfigError(path, f"given twice, as '{name}' and its alias; keep one")
-        result[name] = _normalize_value(value, cls.model_fields[name].annotation, path)
+        result[name] = _normalize_value(value, cls.model_fields[name].annotation, path, notes)
     return result
+
+
+def _accept_no_effect(path: str, value: Any, rule: tuple[Any, str, str], notes: list[tuple[str, str]]) -> None:
+    """Accept a DeepSpeed key zerotune does not model when its value changes nothing here; refuse it otherwise."""
+    changes_nothing, accepted, reason = rule
+    if changes_nothing is not None and not changes_nothing(value):
+        key = path.rsplit(".", 1)[-1]
+        kind = "block" if isinstance(value, Mapping) else "key"
+        raise NotSupportedError(path, f"'{key}' is a DeepSpeed feature zerotune does not support; remove the {kind} "
+                                      f"(accepted only as {accepted}, which has no effect)")
+    notes.append((path, f"no effect here: {reason}"))
 
 
 def _printable(key: Any) -> str:
@@ -94,13 +116,14 @@ def _printable(key: Any) -> str:
     return text if text.isprintable() else json.dumps(text)
 
 
-def _normalize_value(value: Any, annotation: Any, path: str) -> Any:
+def _normalize_value(value: Any, annotation: Any, path: str, notes: list[tuple[str, str]]) -> Any:
     sub = section_class(annotation)
     if sub is not None and isinstance(value, Mapping):
-        return normalize_keys(value, sub, path)
+        return normalize_keys(value, sub, path, notes)
     item = list_item_section(annotation)
     if item is not None and isinstance(value, list):
-        return [normalize_keys(v, item, join(path, str(i))) if isinstance(v, Mapping) else v for i, v in enumerate(value)]
+        return [normalize_keys(v, item, join(path, str(i)), notes) if isinstance(v, Mapping) else v
+                for i, v in enumerate(value)]
     if is_free_dict(annotation) and isinstance(value, Mapping):
         bad = next((k for k in value if not isinstance(k, str)), None)
         if bad is not None:

@@ -8,7 +8,8 @@ from .tree import iter_leaves
 
 
 def format_resolved(cfg: ZeroTuneConfig) -> str:
-    """One row per leaf: dotted key, value, and where the value came from."""
+    """One row per leaf: dotted key, value, and where the value came from; then the config's notes
+    (legacy keys mapped to their modern form, keys that have no effect here and why)."""
     rows = [("key", "value", "source")]
     for path, value in iter_leaves(cfg):
         source = cfg.provenance.get(path, "default")
@@ -19,4 +20,6 @@ def format_resolved(cfg: ZeroTuneConfig) -> str:
     value_width = max(len(r[1]) for r in rows)
     lines = [f"{k:<{key_width}}  {v:<{value_width}}  {s}".rstrip() for k, v, s in rows]
     lines.insert(1, f"{'-' * key_width}  {'-' * value_width}  {'-' * 6}")
+    if cfg.notes:  # legacy keys rewritten, accepted keys that change nothing: said, never silently dropped
+        lines += ["", "notes:"] + [f"  {path}: {message}" for path, message in cfg.notes]
     return "\n".join(lines)

@@ -53,6 +53,7 @@ def resolve_config(
 
     _resolve_batch(data, provenance, auto_values, dp_world_size, strict)
     resolved = config_from_dict(data)
+    resolved._notes[:] = cfg._notes
     resolved._provenance.clear()
     resolved._provenance.update({path: provenance.get(path, "default") for path, _ in iter_leaves(resolved)})
     return resolved

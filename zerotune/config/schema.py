@@ -8,11 +8,13 @@ resolve no field holds ``"auto"``.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Optional
+import math
+import sys
+from typing import Any, Callable, ClassVar, Literal, Optional
 
-from pydantic import Field, PrivateAttr
+from pydantic import Field, PrivateAttr, field_validator
 
-from .section import Section
+from .section import NoEffect, Section
 from .sections import (
     ActivationCheckpointingConfig,
     AioConfig,
@@ -35,15 +37,41 @@ from .zero_section import ZeroConfig
 # turns "unknown key" into "a DeepSpeed feature zerotune does not support".
 UNSUPPORTED_BLOCKS = frozenset(
     {
-        "flops_profiler", "compression_training", "autotuning", "elasticity", "data_efficiency",
-        "curriculum_learning", "sparse_attention", "amp", "eigenvalue", "progressive_layer_drop",
-        "hybrid_engine", "quantize_training", "nebula", "comms_logger", "weight_quantization",
-        "comet", "compile", "torch_autocast", "data_types", "dump_state", "sparse_gradients",
-        "disable_allgather", "zero_force_ds_cpu_optimizer", "graph_harvesting",
-        "use_data_before_expert_parallelism", "timers", "seq_parallel_communication_data_type",
-        "moe", "mup", "zenflow", "activation_quantization",
+        "compression_training", "sparse_attention", "quantize_training", "weight_quantization", "moe", "mup",
+        "zenflow", "activation_quantization",
     }
 )
+
+
+def _disabled(block: Any) -> bool:
+    """A DeepSpeed feature block switched off (``{"enabled": false}``), which asks for nothing."""
+    return isinstance(block, dict) and not block.get("enabled", False)
+
+
+def _is(*allowed: Any) -> Callable[[Any], bool]:
+    return lambda value: any(value is a or (not isinstance(a, bool) and value == a) for a in allowed)
+
+
+# Top-level DeepSpeed keys accepted without a field: the values for which they change nothing here.
+_NO_EFFECT_TOP: dict[str, NoEffect] = {
+    **{block: (_disabled, '{"enabled": false}', "the feature is off") for block in (
+        "flops_profiler", "autotuning", "elasticity", "data_efficiency", "curriculum_learning", "amp", "eigenvalue",
+        "progressive_layer_drop", "hybrid_engine", "nebula", "comet", "compile", "torch_autocast")},
+    "comms_logger": (None, "", "every collective is always counted: zerotune.comm.comm_stats() / log_summary()"),
+    "timers": (None, "", "the throughput timer always runs (engine.tput_timer)"),
+    "zero_force_ds_cpu_optimizer": (None, "", "offloaded optimizer steps run torch's kernels for any torch optimizer"),
+    "cuda_visible_devices": (None, "", "device visibility is the launcher's: set CUDA_VISIBLE_DEVICES in the environment"),
+    "sparse_gradients": (_is(False), "false", "gradients are dense"),
+    "dump_state": (_is(False), "false", "there is no state dump"),
+    "disable_allgather": (_is(False), "false", "updated shards are always all-gathered"),
+    "graph_harvesting": (_is(False), "false", "no CUDA-graph harvesting"),
+    "use_data_before_expert_parallelism": (_is(False), "false", "there is no expert parallelism"),
+    "seq_parallel_comm_data_type": (_is("fp32"), '"fp32"', "gradients are always reduced in fp32"),
+    "seq_parallel_communication_data_type": (_is("fp32"), '"fp32"', "gradients are always reduced in fp32"),
+    "data_types": (lambda v: isinstance(v, dict) and set(v) <= {"grad_accum_dtype"}
+                   and v.get("grad_accum_dtype") in (None, "fp32"), '{"grad_accum_dtype": "fp32"}',
+                   "gradients always accumulate in fp32 (grad_accum_dtype fp32)"),
+}
 
 
 class ZeroTuneConfig(Section):
@@ -51,6 +79,19 @@ class ZeroTuneConfig(Section):
 
     ALIASES: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
     UNSUPPORTED: ClassVar[frozenset[str]] = UNSUPPORTED_BLOCKS
+    NO_EFFECT: ClassVar[dict[str, NoEffect]] = _NO_EFFECT_TOP
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "zero_allow_untested_optimizer": "every torch optimizer runs on the shards (Lamb is refused at stages 1-3)",
+    }
+
+    @classmethod
+    def translate_legacy(cls, raw: dict[str, Any], prefix: str, notes: list[tuple[str, str]]) -> dict[str, Any]:
+        """DeepSpeed's oldest form ``"zero_optimization": true`` means stage 1 (false: stage 0)."""
+        if isinstance(raw.get("zero_optimization"), bool):
+            stage = int(raw["zero_optimization"])
+            raw = {**raw, "zero_optimization": {"stage": stage}}
+            notes.append(("zero_optimization", f"legacy boolean form: zero_optimization.stage = {stage}"))
+        return raw
 
     train_batch_size: OptAutoPosInt = None
     """Global batch per optimizer step = micro batch x accumulation steps x data-parallel size."""
@@ -109,16 +150,50 @@ class ZeroTuneConfig(Section):
     lr_scaling: Optional[LRScalingConfig] = None
     """zerotune extension: scale the learning rate with the global batch size."""
 
+    @field_validator("steps_per_print", mode="before")
+    @classmethod
+    def _infinity_means_never(cls, value: Any) -> Any:
+        # accelerate writes float("inf") (JSON Infinity): never print, as DeepSpeed reads it.
+        if isinstance(value, float) and math.isinf(value) and value > 0:
+            return sys.maxsize
+        return value
+
     _provenance: dict[str, str] = PrivateAttr(default_factory=dict)
+    _notes: list[tuple[str, str]] = PrivateAttr(default_factory=list)
 
     @property
     def provenance(self) -> dict[str, str]:
         """Dotted leaf path -> "file" | "default" | "auto" | "inferred": where each value came from."""
         return self._provenance
 
+    @property
+    def notes(self) -> list[tuple[str, str]]:
+        """(dotted key, message) for each given key zerotune rewrote or that has no effect here: legacy
+        spellings mapped to their modern form, and accepted DeepSpeed keys that change nothing."""
+        return [*self._notes, *_no_effect_field_notes(self)]
+
     def to_dict(self) -> dict[str, Any]:
         """The values as a DeepSpeed-style plain dict (for checkpoints and logging)."""
         return self.model_dump()
+
+
+
+
+def _no_effect_field_notes(cfg: ZeroTuneConfig) -> list[tuple[str, str]]:
+    """Notes for the modelled-but-unread fields (``NO_EFFECT_FIELDS``) the config file sets."""
+    notes = []
+
+    def walk(node: Any, prefix: str) -> None:
+        for name in type(node).model_fields:
+            path = f"{prefix}.{name}" if prefix else name
+            value = getattr(node, name)
+            if isinstance(value, Section):
+                walk(value, path)
+            elif name in type(node).NO_EFFECT_FIELDS and cfg.provenance.get(path) == "file":
+                notes.append((path, f"no effect here: {type(node).NO_EFFECT_FIELDS[name]}"))
+
+    walk(cfg, "")
+    return notes
 
 
 __all__ = ["UNSUPPORTED_BLOCKS", "ZeroTuneConfig"]

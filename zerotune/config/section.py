@@ -7,9 +7,13 @@ reject the latter with a precise message instead of a generic "unknown key".
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import Any, Callable, ClassVar, Optional
 
 from pydantic import BaseModel, ConfigDict
+
+# An accepted-but-unmodelled DeepSpeed key: which values change nothing here (None: any value),
+# those values in words (for the refusal of the others), and why they change nothing.
+NoEffect = tuple[Optional[Callable[[Any], bool]], str, str]
 
 
 class Section(BaseModel):
@@ -21,3 +25,14 @@ class Section(BaseModel):
     ALIASES: ClassVar[dict[str, str]] = {}
     # DeepSpeed keys of this block that zerotune does not model -> kind word for the message
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset()
+    # DeepSpeed keys of this block zerotune accepts without modelling them, because for the
+    # values the predicate allows they would change nothing here; other values are refused.
+    NO_EFFECT: ClassVar[dict[str, NoEffect]] = {}
+    # Modelled fields that nothing in zerotune reads (any value), with the reason: reported by
+    # ``zerotune check`` and logged by ``initialize`` when a config sets them.
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def translate_legacy(cls, raw: dict[str, Any], prefix: str, notes: list[tuple[str, str]]) -> dict[str, Any]:
+        """Rewrite DeepSpeed's legacy spellings of this block into the modern ones (noting each)."""
+        return raw

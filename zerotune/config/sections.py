@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Literal, Optional
 
 from pydantic import Field, field_validator
 
-from .section import Section
+from .section import NoEffect, Section
 from .types import (
     AutoBool,
     AutoNonNegFloat,
@@ -46,7 +46,12 @@ class SchedulerConfig(Section):
 class FP16Config(Section):
     """``fp16``: float16 mixed precision with a dynamic (or static) loss scaler."""
 
-    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"fp16_master_weights_and_grads"})
+    NO_EFFECT: ClassVar[dict[str, NoEffect]] = {
+        "fp16_master_weights_and_grads": (lambda v: v is False, "false", "masters and gradients are always fp32"),
+    }
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "auto_cast": "the engine always casts floating-point inputs to the training dtype",
+    }
 
     enabled: AutoBool = False
     """Train with float16 compute and fp32 master weights."""
@@ -69,9 +74,12 @@ class FP16Config(Section):
 class BF16Config(Section):
     """``bf16`` (alias ``bfloat16``): bfloat16 mixed precision; needs no loss scaling."""
 
-    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
-        {"immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads", "bf16_optimizer_states"}
-    )
+    NO_EFFECT: ClassVar[dict[str, NoEffect]] = {
+        "immediate_grad_update": (None, "", "gradients always accumulate in fp32 buffers as backward produces them"),
+        "check_grad_overflow": (None, "", "a step with a non-finite gradient norm is always skipped, in every precision"),
+        "bf16_master_weights_and_grads": (lambda v: v is False, "false", "masters and gradients are always fp32"),
+        "bf16_optimizer_states": (lambda v: v is False, "false", "optimizer state is always fp32"),
+    }
 
     enabled: AutoBool = False
     """Train with bfloat16 compute and fp32 master weights."""
@@ -218,12 +226,21 @@ class WandbConfig(Section):
 class ParallelWriteConfig(Section):
     """``checkpoint.parallel_write``: parallel checkpoint writing."""
 
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "pipeline_stage": "each pipeline stage's ranks always write their own files",
+    }
+
     pipeline_stage: AutoBool = False
     """Each pipeline stage writes its own part of the checkpoint in parallel."""
 
 
 class CheckpointConfig(Section):
     """``checkpoint``: checkpoint saving and loading behaviour."""
+
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "load_universal": "true is refused; checkpoints load at the layout they were saved with",
+        "use_node_local_storage": "true is refused; every rank writes its files under the save directory",
+    }
 
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     """What to do when ranks save under different tags: Ignore, Warn or Fail (case-insensitive)."""
@@ -244,7 +261,9 @@ class CheckpointConfig(Section):
 class AioConfig(Section):
     """``aio``: asynchronous I/O used by NVMe offload."""
 
-    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"intra_op_parallelism"})
+    # DeepSpeed renamed thread_count to intra_op_parallelism (v0.15); both spell the same knob here.
+    ALIASES: ClassVar[dict[str, str]] = {"intra_op_parallelism": "thread_count"}
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {"use_gds": "GPUDirect Storage is not used (true is refused)"}
 
     block_size: AutoPosInt = 1048576
     """Bytes per I/O request."""

@@ -7,10 +7,11 @@ keys keep their ``stage3_`` prefix because that is what users write in their JSO
 from __future__ import annotations
 
 import sys
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from pydantic import Field, field_validator, model_validator
 
+from .errors import ConfigError
 from .section import Section
 from .types import (
     AutoBool,
@@ -26,6 +27,10 @@ from .types import (
 
 class OffloadParamConfig(Section):
     """``zero_optimization.offload_param``: where ZeRO-3 keeps the parameter shards."""
+
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "max_in_cpu": "NVMe parameter offload reads shards into the buffer pool; there is no CPU cache to bound",
+    }
 
     device: OffloadDevice = "none"
     """none (accelerator memory), cpu, or nvme."""
@@ -45,6 +50,10 @@ class OffloadOptimizerConfig(Section):
     """``zero_optimization.offload_optimizer``: where the optimizer state lives and steps."""
 
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"pipeline", "pipeline_read", "pipeline_write"})
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "fast_init": "optimizer state is created lazily on the host or in the swap files either way",
+        "ratio": "the whole optimizer state is offloaded (a partial ratio is a GPU-side speed trade-off)",
+    }
 
     device: OffloadDevice = "none"
     """none (accelerator memory), cpu, or nvme."""
@@ -63,18 +72,65 @@ class OffloadOptimizerConfig(Section):
 class ZeroConfig(Section):
     """``zero_optimization``: ZeRO sharding of optimizer state, gradients and parameters."""
 
+    # DeepSpeed's pydantic fields are the unprefixed names, with the stage3_* spellings as aliases;
+    # both are accepted (here the stage3_* name is the field, as users mostly write it).
     ALIASES: ClassVar[dict[str, str]] = {
         "stage3_gather_fp16_weights_on_model_save": "stage3_gather_16bit_weights_on_model_save",
+        **{name: f"stage3_{name}" for name in (
+            "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
+            "max_live_parameters", "max_reuse_distance", "gather_16bit_weights_on_model_save",
+            "module_granularity_threshold", "use_all_reduce_for_fetch_params", "allgather_sequential",
+            "partition_stream_chunk_size")},
     }
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
         {
-            "zenflow", "leaf_module", "zeropp_loco_param", "cpu_offload", "cpu_offload_param",
-            "cpu_offload_use_pin_memory", "legacy_stage1", "pipeline_loading_checkpoint",
+            "zenflow", "leaf_module", "zeropp_loco_param", "legacy_stage1", "pipeline_loading_checkpoint",
             "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
             "save_muon_momentum_buffer_in_memory", "stage3_use_all_reduce_for_fetch_params",
             "stage3_allgather_sequential", "stage3_partition_stream_chunk_size",
         }
     )
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "contiguous_gradients": "gradients always accumulate in contiguous flat buffers",
+        "reduce_scatter": "stages 1-2 always reduce to each gradient's owner; the result is the same average",
+        "use_multi_rank_bucket_allreduce": "each bucket is one collective over the data-parallel group",
+        "allgather_partitions": "updated shards are always all-gathered (same values as broadcasts)",
+        "load_from_fp32_weights": "checkpoints always restore the fp32 masters themselves",
+        "stage3_model_persistence_threshold": "persistence is decided per unit (stage3_param_persistence_threshold)",
+        "stage3_max_reuse_distance": "stage 3 releases each unit after use and prefetches by recorded order",
+        "stage3_module_granularity_threshold": "stage-3 units are transformer blocks (or modules owning parameters)",
+        "ignore_unused_parameters": "parameters without a gradient are always tolerated (zero gradient)",
+        "round_robin_gradients": "host copies of gradients are issued as each bucket's reduction completes",
+        "memory_efficient_linear": "stage 3 keeps only the unit being computed gathered, with torch's own linear",
+        "mics_hierarchical_params_gather": "MiCS is not implemented (mics_shard_size must stay -1)",
+    }
+
+    @classmethod
+    def translate_legacy(cls, raw: dict[str, Any], prefix: str, notes: list[tuple[str, str]]) -> dict[str, Any]:
+        """DeepSpeed's ``cpu_offload`` / ``cpu_offload_param`` booleans become ``offload_optimizer`` /
+        ``offload_param`` with device cpu; ``cpu_offload_use_pin_memory`` sets ``pin_memory`` of both."""
+        raw = dict(raw)
+        for legacy, modern in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
+            if legacy not in raw:
+                continue
+            value, path = raw.pop(legacy), f"{prefix}.{legacy}"
+            if not isinstance(value, bool):
+                raise ConfigError(path, f"expected true or false, got {value!r}")
+            if modern in raw:
+                raise ConfigError(path, f"legacy key given together with '{modern}'; keep only '{prefix}.{modern}'")
+            if value:
+                raw[modern] = {"device": "cpu"}
+            notes.append((path, f"legacy key: {prefix}.{modern}.device = {'cpu' if value else 'none'}"))
+        if "cpu_offload_use_pin_memory" in raw:
+            value, path = raw.pop("cpu_offload_use_pin_memory"), f"{prefix}.cpu_offload_use_pin_memory"
+            if not isinstance(value, bool):
+                raise ConfigError(path, f"expected true or false, got {value!r}")
+            for modern in ("offload_optimizer", "offload_param"):
+                section = raw.get(modern)
+                if isinstance(section, dict) and "pin_memory" not in section:
+                    raw[modern] = {**section, "pin_memory": value}
+            notes.append((path, f"legacy key: pin_memory = {str(value).lower()} in the offload sections"))
+        return raw
 
     stage: AutoStage = 0
     """ZeRO stage: 0 plain data parallel, 1 shard optimizer state, 2 also gradients, 3 also parameters."""
