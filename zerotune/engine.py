@@ -107,6 +107,13 @@ class Engine(EngineQueries, torch.nn.Module):
         self._inside_no_sync = False
         self._post_step_hooks: list[Callable[["Engine"], None]] = []
 
+    @staticmethod
+    def initialize(*args: Any, **kwargs: Any) -> tuple["Engine", Any, Any, Any]:
+        """``DeepSpeedEngine.initialize(...)`` (the seed guide's spelling) is ``zerotune.initialize(...)``."""
+        from zerotune.initialize import initialize
+
+        return initialize(*args, **kwargs)
+
     # ---- one micro-step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.policy.mixed:

@@ -100,7 +100,33 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
         return iter(())
 
 
+class ZerotuneDeepSpeedPathsFinder(importlib.abc.MetaPathFinder):
+    """``import zerotune as deepspeed`` also for submodules: ``zerotune.<path>`` answers as
+    ``deepspeed.<path>`` when zerotune has no module of that name (``zerotune.runtime.pipe.engine``,
+    ``zerotune.accelerator``, ``zerotune.pt``). It sits last on ``sys.meta_path``, so zerotune's own
+    modules (``zerotune.comm``, ``zerotune.zero``, ``zerotune.pipe``...) always win."""
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith("zerotune."):
+            return None
+        deepspeed_name = "deepspeed." + fullname.split(".", 1)[1]
+        if deepspeed_name in REFUSED_MODULES:
+            return importlib.machinery.ModuleSpec(fullname, _RefusingLoader(deepspeed_name,
+                                                                            REFUSED_MODULES[deepspeed_name]))
+        mapped = DEEPSPEED_MODULES.get(deepspeed_name)
+        if mapped is None:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(mapped.module), is_package=True)
+
+
 _FINDER = DeepSpeedAliasFinder()
+_ZEROTUNE_PATHS = ZerotuneDeepSpeedPathsFinder()
+
+
+def install_zerotune_deepspeed_paths() -> None:
+    """Done once when zerotune is imported (see ``ZerotuneDeepSpeedPathsFinder``)."""
+    if _ZEROTUNE_PATHS not in sys.meta_path:
+        sys.meta_path.append(_ZEROTUNE_PATHS)
 
 
 def install_deepspeed_alias() -> None:

@@ -98,6 +98,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.ops": Mapped("zerotune.compat.ops", ("adam", "lamb")),
     "deepspeed.ops.adam": Mapped("zerotune.compat.ops", _OPS_ADAM),
     "deepspeed.ops.lamb": Mapped("zerotune.compat.ops", ("FusedLamb",)),
+    # the seed guide's spelling of the ZeRO optimizer wrapper (DeepSpeed's own lives in runtime.zero)
+    "deepspeed.pt": Mapped("zerotune.compat.pt", ("DeepSpeedZeROOptimizer",)),
+    "deepspeed.runtime.zero.stage_1_and_2": Mapped("zerotune.compat.pt", ("DeepSpeedZeroOptimizer",)),
+    "deepspeed.runtime.zero.stage3": Mapped("zerotune.compat.pt", ("DeepSpeedZeroOptimizer_Stage3",)),
 }
 
 REFUSED_MODULES: dict[str, str] = {

@@ -54,7 +54,25 @@ def default_batch_fn(batch: Any) -> tuple[Any, Any]:
                     f"engine.set_batch_fn(fn) to convert your batches, got {type(batch).__name__}")
 
 
-class PipelineEngine(Engine):
+class _BuiltFromAModel(type(Engine)):
+    """``PipelineEngine(model, config=...)`` (the seed guide's spelling) builds the engine through
+    ``zerotune.initialize``; ``initialize`` itself constructs it with keyword arguments only."""
+
+    def __call__(cls, *args: Any, **kwargs: Any) -> Any:
+        if args and isinstance(args[0], torch.nn.Module):
+            from zerotune.initialize import initialize
+
+            if len(args) > 1:
+                raise TypeError("PipelineEngine(model, config=...): pass everything but the model by keyword")
+            engine = initialize(model=args[0], **kwargs)[0]
+            if not isinstance(engine, cls):
+                raise ValueError("PipelineEngine(model, config=...) needs a pipelined model: a PipelineModule, or a "
+                                 "Hugging Face model with \"pipeline\": {\"stages\": N} (N > 1) in the config")
+            return engine
+        return super().__call__(*args, **kwargs)
+
+
+class PipelineEngine(Engine, metaclass=_BuiltFromAModel):
     """The engine of a ``PipelineModule``; see the module docstring."""
 
     def __init__(self, *, tie_groups: dict[str, dist.ProcessGroup], batch_fn: Callable | None = None,
