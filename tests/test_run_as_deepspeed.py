@@ -4,27 +4,18 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.launch import run_client
 from zerotune.cli.run import _split_own_flags
 
 CLIENTS = Path(__file__).resolve().parent / "deepspeed_clients"
 
 
-def _run(script: str, *script_args: str, nproc: int = 2, timeout: int = 240) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    command = [sys.executable, "-m", "zerotune.cli.main", "run", "--as-deepspeed", "--nproc_per_node", str(nproc),
-               str(CLIENTS / script), *script_args]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
-                          cwd=Path(__file__).resolve().parent.parent)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    return sorted(rows, key=lambda row: row["rank"])
+def _run(script: str, *script_args: str, nproc: int = 2) -> list[dict]:
+    return run_client(script, *script_args, nproc=nproc)
 
 
 def test_own_flags_are_told_apart_from_torchrun_options_and_script_flags() -> None:

@@ -262,9 +262,11 @@ def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]],
 
 
 def _build_scheduler(raw_scheduler: Any, client: Any, optimizer: torch.optim.Optimizer | None) -> Any:
-    if client is not None and raw_scheduler is not None:
-        raise ConfigError("scheduler", "an lr_scheduler was passed to initialize() and the config has a "
-                                       "'scheduler' block; keep one of them")
+    if client is not None and raw_scheduler is not None:  # as with the optimizer: the client's wins
+        log_rank0("initialize(lr_scheduler=...) and the config's 'scheduler' block (%s) were both given: using the "
+                  "client scheduler; the config block has no effect", raw_scheduler.type, rank=_global_rank(),
+                  level=logging.WARNING)
+        raw_scheduler = None
     if client is not None:
         return client if hasattr(client, "step") else client(optimizer)
     if raw_scheduler is not None:

@@ -37,8 +37,8 @@ DEEPSPEED_VERSION = "0.18.0+zerotune"
 class _AliasLoader(importlib.abc.Loader):
     """Hands out the already-imported target module under the DeepSpeed name."""
 
-    def __init__(self, target: str) -> None:
-        self._target = target
+    def __init__(self, target: str, deepspeed_name: str) -> None:
+        self._target, self._deepspeed_name = target, deepspeed_name
         self._target_spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
@@ -49,6 +49,13 @@ class _AliasLoader(importlib.abc.Loader):
     def exec_module(self, module: ModuleType) -> None:
         # importlib stamped the alias spec on the module; the module keeps its own identity.
         module.__spec__ = self._target_spec
+        # ``from deepspeed.runtime.zero import partition_parameters`` looks the child up as an attribute
+        # (the module's real name would send the import elsewhere): bind every mapped child now.
+        prefix = self._deepspeed_name + "."
+        for path, mapped in DEEPSPEED_MODULES.items():
+            child = path[len(prefix):]
+            if path.startswith(prefix) and "." not in child and not hasattr(module, child):
+                setattr(module, child, importlib.import_module(mapped.module))
 
 
 class _RefusingLoader(importlib.abc.Loader):
@@ -89,8 +96,7 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
                 f"zerotune's DeepSpeed alias has no module '{fullname}'; the supported DeepSpeed modules are "
                 f"listed by `python -m zerotune.compat.listing` (README: Using it from a DeepSpeed script)",
                 name=fullname)
-        spec = importlib.machinery.ModuleSpec(fullname, _AliasLoader(mapped.module), is_package=True)
-        return spec
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(mapped.module, fullname), is_package=True)
 
     def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()
                            ) -> Iterable[importlib.metadata.Distribution]:
@@ -116,7 +122,7 @@ class ZerotuneDeepSpeedPathsFinder(importlib.abc.MetaPathFinder):
         mapped = DEEPSPEED_MODULES.get(deepspeed_name)
         if mapped is None:
             return None
-        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(mapped.module), is_package=True)
+        return importlib.machinery.ModuleSpec(fullname, _AliasLoader(mapped.module, deepspeed_name), is_package=True)
 
 
 _FINDER = DeepSpeedAliasFinder()
