@@ -112,10 +112,34 @@ def test_pipeline_module_matches_single_process(stages, schedule):
         assert_close_traces(trace, expected, rel=1e-5)
 
 
-def test_two_stages_by_two_data_parallel_ranks_with_zero1_matches_single_process():
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_two_stages_by_two_data_parallel_ranks_with_zero_matches_single_process(zero_stage):
     expected = _reference()
-    for trace in run_distributed(_pipeline_run, 4, 2, "1f1b", 1, timeout=180):
+    for trace in run_distributed(_pipeline_run, 4, 2, "1f1b", zero_stage, timeout=180):
         assert_close_traces(trace, expected, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero_stage", [1, 2])
+def test_four_stages_by_two_data_parallel_ranks_with_zero_matches_single_process(zero_stage):
+    """pp4 x dp2 on 8 ranks: gradients partitioned over each stage's two data-parallel ranks (ZeRO-2),
+    the tied projection summed over the first and last stage."""
+    expected = _reference()
+    for trace in run_distributed(_pipeline_run, 8, 4, "1f1b", zero_stage, timeout=300):
+        assert_close_traces(trace, expected, rel=1e-5)
+
+
+def _zero2_state(zero_stage: int) -> dict:
+    engine = _engine(2, "1f1b", zero_stage)
+    _train(engine, range(1))
+    breakdown = engine.memory_breakdown()
+    engine.destroy()
+    return breakdown
+
+
+def test_pipeline_zero2_keeps_only_a_gradient_slice_per_rank():
+    zero1, zero2 = run_distributed(_zero2_state, 4, 1)[0], run_distributed(_zero2_state, 4, 2)[0]
+    assert zero2["grads"] < zero1["grads"] and zero2["optimizer_state"] == zero1["optimizer_state"]
 
 
 def test_activation_checkpoint_interval_recomputes_and_still_matches():
@@ -202,7 +226,9 @@ def _initialize_error(config_change: dict, stages: int) -> str:
 
 @pytest.mark.parametrize("change, expected", [
     ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1 < 2 stages"),
-    ({"zero_optimization": {"stage": 2}}, "2 with pipeline parallelism is not supported"),
+    ({"zero_optimization": {"stage": 3}}, "3 with pipeline parallelism is not supported yet"),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
+     "optimizer offload with pipeline parallelism at ZeRO stage 2 is not supported yet"),
 ])
 def test_bad_pipeline_setups_are_refused_at_initialize(change, expected):
     for message in run_distributed(_initialize_error, 2, change, 2, timeout=120):

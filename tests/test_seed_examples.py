@@ -94,3 +94,47 @@ def test_zero_optimizer_refuses_accumulation_and_bad_configs() -> None:
         _config_of({"zero_optimization": {"stage": 1}, "gradient_accumulation_steps": 2})
     with pytest.raises(TypeError, match="zero_config must be a dict"):
         _config_of([1])
+
+
+def _pipeline_engine_snippet() -> Trace:
+    from zerotune.runtime.pipe.engine import PipelineEngine  # the seed: from deepspeed.runtime.pipe.engine import ...
+
+    config = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "steps_per_print": 100,
+              "pipeline": {"stages": 4}, "zero_optimization": {"stage": 2},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}}}
+    engine = PipelineEngine(make_gpt2(), config=config)
+    mpu = engine.mpu
+    assert (mpu.get_pipe_parallel_world_size(), mpu.get_data_parallel_world_size()) == (4, 2)
+    assert engine.zero_optimization_stage() == 2
+    rank, losses, norms = mpu.get_data_parallel_rank(), [], []
+    for step in range(3):
+        batches = iter([rank_slice(gpt2_batch(step, m, 8), rank, 2) for m in range(8)])
+        total = engine.train_batch(batches).detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / torch.distributed.get_world_size())
+        norms.append(engine.get_global_grad_norm())
+    engine.destroy()
+    return Trace(losses, norms)
+
+
+@pytest.mark.slow
+def test_pipeline_engine_snippet_four_stages_zero2_on_eight_ranks() -> None:
+    model = make_gpt2()
+    reference = reference_run(model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01), gpt2_batch,
+                              steps=3, gas=8, global_rows=8, clip=0.0)
+    for trace in run_distributed(_pipeline_engine_snippet, 8, timeout=400):
+        assert_close_traces(trace, reference, rel=1e-5)
+
+
+def _pipeline_engine_needs_a_pipelined_model() -> str:
+    from zerotune.runtime.pipe.engine import PipelineEngine
+
+    try:
+        PipelineEngine(make_mlp(), config={"train_micro_batch_size_per_gpu": 1})
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
+def test_pipeline_engine_refuses_a_model_without_stages() -> None:
+    assert "needs a pipelined model" in run_distributed(_pipeline_engine_needs_a_pipelined_model, 1)[0]

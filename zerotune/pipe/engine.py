@@ -246,10 +246,15 @@ class PipelineEngine(Engine, metaclass=_BuiltFromAModel):
     def _reduce_tied_grads(self, *, before_sync: bool) -> None:
         """Sum a tied weight's gradient over the stages holding it: ZeRO-1 before its reduce-scatter (the
         full local gradient is in ``param.grad``), stage 0 after its all-reduce (the summed gradient is in
-        the fp32 bucket); summing and averaging commute."""
-        if before_sync != (self.zero_optimization_stage() == 1):
+        the fp32 bucket), stage 2 after the reduction to the owners (the slices are assembled, summed and
+        cut again: no rank holds a tied weight's whole gradient otherwise); summing and averaging commute."""
+        stage = self.zero_optimization_stage()
+        if before_sync != (stage == 1):
             return
         for key, param in self.pipe.local_tied_parameters().items():
+            if stage == 2:
+                self.grad_sync.sum_full_grad_over(param, self.tie_groups[key])
+                continue
             grad = param.grad if before_sync else self.grad_sync.grad_of(param)
             if grad is None:
                 grad = param.grad = torch.zeros_like(param)

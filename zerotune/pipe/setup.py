@@ -27,10 +27,14 @@ def check_pipeline_composes(cfg: Any, mesh: ProcessMesh) -> None:
     if mesh.size("pp") == 1:
         return
     stage = cfg.zero_optimization.stage
-    if stage not in (0, 1):
-        raise NotSupportedYetError("zero_optimization.stage", f"{stage} with pipeline parallelism is not supported: "
-                                   "stages 0 and 1 compose with pipelines (as in DeepSpeed); ZeRO-2/3 would "
-                                   "reduce-scatter every micro-batch's gradients on every stage")
+    if stage not in (0, 1, 2):
+        raise NotSupportedYetError("zero_optimization.stage", f"{stage} with pipeline parallelism is not supported "
+                                   "yet: stages 0-2 compose with pipelines (ZeRO-3 would gather every unit once "
+                                   "per micro-batch and pass)")
+    if stage == 2 and cfg.zero_optimization.offload_optimizer.device != "none":
+        raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "optimizer offload with pipeline "
+                                   "parallelism at ZeRO stage 2 is not supported yet (tied weights are summed over "
+                                   "the stages after the gradient slices reach the host); use stage 1")
     if mesh.size("sp") > 1:
         raise NotSupportedYetError("sequence_parallel_size", "sequence parallelism together with pipeline "
                                    "parallelism is not supported yet")

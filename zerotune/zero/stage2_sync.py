@@ -157,6 +157,24 @@ class BucketedReduceGradSync:
     def shard_grad(self, group_index: int) -> torch.Tensor:
         return self.grad_shards[group_index]
 
+    def sum_full_grad_over(self, param: torch.nn.Parameter, group: dist.ProcessGroup | None) -> None:
+        """Sum ``param``'s (mean) gradient over ``group`` -- the pipeline stages sharing a tied weight --
+        after ``finish()``. Each data-parallel rank holds a slice of it, so the slices are assembled into
+        the whole gradient (an all-reduce over the data-parallel group, where each element has one
+        owner), summed over ``group``, and every rank keeps its slice of the sum."""
+        g, index = next((g, i) for g, fg in enumerate(self.flat_groups) for i, p in enumerate(fg.params) if p is param)
+        layout = self.flat_groups[g].layout
+        offset, numel = layout.offsets[index], param.numel()
+        start, end = layout.owned_range(self.flat_groups[g].rank)
+        lo, hi = max(start, offset), min(end, offset + numel)
+        full = torch.zeros(numel, dtype=self._dtype, device=self._device)
+        if lo < hi:
+            full[lo - offset:hi - offset] = self.grad_shards[g][lo - start:hi - start]
+        comm.all_reduce(full, self.group)
+        comm.all_reduce(full, group)
+        if lo < hi:
+            self.grad_shards[g][lo - start:hi - start] = full[lo - offset:hi - offset]
+
     def zero_grad(self) -> None:
         for shard in self.grad_shards:
             shard.zero_()
