@@ -59,3 +59,20 @@ def test_zero3_init_script(tmp_path: Path) -> None:
     rows = _run("zero3_init.py", "--out", str(tmp_path))
     assert all(row["has_ds"] and row["saved"] and row["stage"] == 3 for row in rows)
     assert (tmp_path / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_gan_style_script_with_two_engines_in_one_process() -> None:
+    rows = _run("gan_style.py", "--stage", "2")
+    for row in rows:
+        assert row["steps"] == [5, 5] and len(row["g"]) == len(row["d"]) == 5
+        assert all(loss == loss for loss in row["g"] + row["d"])  # finite, no NaN
+
+
+@pytest.mark.slow
+def test_bert_style_script_with_grouped_parameters_and_client_state(tmp_path: Path) -> None:
+    rows = _run("bert_style.py", "--checkpoint_dir", str(tmp_path))
+    for row in rows:
+        assert row["global_steps"] == 4 and row["groups"] == [0.01, 0.0]
+        assert row["client_state"] == {"last_step": 8, "data_position": 64}
+        assert row["lr"] == [pytest.approx(1e-3)] * 2  # both groups, warm-up done

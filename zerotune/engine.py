@@ -287,24 +287,6 @@ class Engine(EngineQueries, torch.nn.Module):
         del set_to_none
         self.state.zero_grad()
 
-    def memory_breakdown(self) -> dict[str, int]:
-        """This rank's bytes of model state, by kind (the ZeRO paper's accounting).
-
-        ``params``: the model's parameters (trainable and frozen; at stage 3 this rank's shards,
-        gathered units counted in ``comm_buffers``); ``grads``: gradient storage
-        (fp32 buckets at stage 0, full flat buffers at stage 1, this rank's slice at stage 2);
-        ``master_weights``: separate fp32 masters (none in fp32 training); ``optimizer_state``;
-        ``comm_buffers``: communication staging beyond the gradients (stage-2 buckets in flight).
-        """
-        storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in self.module.parameters()}
-        optimizer_bytes = 0
-        if self.optimizer is not None:
-            optimizer_bytes = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
-                                  for t in s.values() if isinstance(t, torch.Tensor))
-        return {"params": sum(storages.values()) + self.state.partitioned_param_bytes(), "grads": self.grad_sync.grad_bytes(),
-                "master_weights": self.state.master_bytes(), "optimizer_state": optimizer_bytes,
-                "comm_buffers": self.grad_sync.buffer_bytes()}
-
     # ---- whole batches -------------------------------------------------------------------
     def _next_default_batch(self) -> Any:
         if self.training_dataloader is None:
