@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dp_vs_ddp import _free_port, spawn_ranks
+from bench_dp_vs_ddp import _free_port, spawn_ranks, write_gathered
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "compression_loss.png")
 TARGET_BYTES_FRACTION = 0.10  # ratio 0.01 + EF must move <= 10% of dense gradient bytes per step
@@ -211,11 +211,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
         stats = engine.compressor.stats if engine.compressor is not None else None
         # steps_per_print is huge, so the engine never reset its stats: they cover the whole run
         record[name]["engine_sent_dense"] = [stats.sent_bytes, stats.dense_bytes] if stats else None
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, record)
-    if rank == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as handle:
-            json.dump(gathered, handle)
+    write_gathered(record, out_dir)
     dist.destroy_process_group()
 
 

@@ -51,6 +51,16 @@ def spawn_ranks(rank_main, args: tuple, nprocs: int) -> None:
     mp.start_processes(_run_rank, args=(rank_main, *args), nprocs=nprocs, start_method="spawn", join=True)
 
 
+def write_gathered(results: object, out_dir: str) -> None:
+    """Gather every rank's ``results`` (rank order) and have rank 0 write them to ``out_dir/result.json``,
+    which the parent reads once ``spawn_ranks`` returns."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, results)
+    if dist.get_rank() == 0:
+        with open(os.path.join(out_dir, "result.json"), "w") as handle:
+            json.dump(gathered, handle)
+
+
 def _run_rank(rank: int, rank_main, *args: object) -> None:
     rank_main(rank, *args)
     sys.stdout.flush()
@@ -175,11 +185,7 @@ def _rank_main(rank: int, phase: str, world: int, port: int, args: argparse.Name
         result[methods[0]]["peak_rss_mib"] = _peak_rss_mib()
         if device.type == "cuda":
             result[methods[0]]["peak_cuda_mib"] = torch.cuda.max_memory_allocated() / 2**20
-    gathered = [None] * world
-    dist.all_gather_object(gathered, result)
-    if rank == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as handle:
-            json.dump(gathered, handle)
+    write_gathered(result, out_dir)
     dist.destroy_process_group()
 
 

@@ -59,7 +59,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_dp_vs_ddp import _free_port, spawn_ranks
+from bench_dp_vs_ddp import _free_port, spawn_ranks, write_gathered
 
 from tests.memory_probe import PeakTensorBytes
 from zerotune.pipe.schedule import build_schedule, max_in_flight
@@ -192,11 +192,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> 
     try:
         results = [{"schedule": schedule, "micro_batches": m, **measure_config(args, schedule, m)}
                    for schedule in SCHEDULES for m in args.micro_batches]
-        gathered: list = [None] * args.stages
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            with open(os.path.join(out_dir, "result.json"), "w") as handle:
-                json.dump(gathered, handle)
+        write_gathered(results, out_dir)
     finally:
         dist.destroy_process_group()
 

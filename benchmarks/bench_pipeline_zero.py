@@ -22,44 +22,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_dp_vs_ddp import spawn_ranks  # noqa: E402
+from bench_dp_vs_ddp import _free_port, spawn_ranks, write_gathered  # noqa: E402
+from bench_pipeline import ResidualBlock, _mse  # noqa: E402  (the same residual-block workload)
 
 ZERO_STAGES = (0, 1, 2)
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.linear = nn.Linear(width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + torch.tanh(self.linear(x))
-
-
-def _mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(outputs, labels)
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def measure(args: argparse.Namespace, zero_stage: int) -> dict:
     import zerotune
     from zerotune.pipe import LayerSpec, PipelineModule
 
-    pipe = PipelineModule([LayerSpec(Block, args.width) for _ in range(args.layers)], num_stages=args.stages,
+    pipe = PipelineModule([LayerSpec(ResidualBlock, args.width) for _ in range(args.layers)], num_stages=args.stages,
                           loss_fn=_mse, seed_layers=True, partition_method="uniform")
     config = {"train_micro_batch_size_per_gpu": args.rows, "gradient_accumulation_steps": args.micro_batches,
               "optimizer": {"type": "Adam", "params": {"lr": 1e-4}}, "steps_per_print": 10**9,
@@ -90,11 +70,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> 
     zerotune.init_distributed()
     try:
         results = [measure(args, zero) for zero in ZERO_STAGES]
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            with open(os.path.join(out_dir, "result.json"), "w") as handle:
-                json.dump(gathered, handle)
+        write_gathered(results, out_dir)
     finally:
         dist.destroy_process_group()
 

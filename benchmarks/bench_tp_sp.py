@@ -64,7 +64,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench_dp_vs_ddp import _free_port, _storage_bytes, spawn_ranks
+from bench_dp_vs_ddp import _free_port, _storage_bytes, spawn_ranks, write_gathered
 
 from tests.memory_probe import PeakTensorBytes, saved_for_backward
 
@@ -164,11 +164,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, out_dir: str) -> 
     try:
         group = dist.new_group(list(range(PARALLEL)))
         results = {variant: measure(variant, args, group) for variant in VARIANTS}
-        gathered: list = [None] * PARALLEL
-        dist.all_gather_object(gathered, results)
-        if rank == 0:
-            with open(os.path.join(out_dir, "result.json"), "w") as handle:
-                json.dump(gathered, handle)
+        write_gathered(results, out_dir)
     finally:
         dist.destroy_process_group()
 

@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_dp_vs_ddp import (MODEL, _batch, _free_port, _storage_bytes, _timed,  # noqa: E402
-                            add_workload_arguments, spawn_ranks)
+                            add_workload_arguments, spawn_ranks, write_gathered)
 from bench_table import (_mib, comm_columns, print_details, print_table, summarize,  # noqa: E402
                          time_and_state_columns, time_ratio)
 
@@ -286,11 +286,7 @@ def _rank_main(rank: int, world: int, port: int, args: argparse.Namespace, out_d
         for method in running[shift:] + running[:shift]:
             times[method].append(_timed(functools.partial(_train_step, built[method]), first + step, device))
     measured = {m: _measure_step(built[m], first + args.steps) for m in running}
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, {"reasons": reasons, "times": times, "measured": measured})
-    if rank == 0:
-        with open(os.path.join(out_dir, "result.json"), "w") as handle:
-            json.dump(gathered, handle)
+    write_gathered({"reasons": reasons, "times": times, "measured": measured}, out_dir)
     dist.destroy_process_group()
 
 

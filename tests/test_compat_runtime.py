@@ -201,16 +201,13 @@ def _moe_batch(step: int, micro: int, rows: int) -> dict:
     return {"x": torch.randn(rows, 4, generator=generator), "y": torch.randn(rows, 1, generator=generator)}
 
 
-def _leaf_moe_stage3() -> Trace:
+def _stage3_sgd_trace(model: nn.Module) -> Trace:
+    """Four SGD steps of ``model`` at ZeRO-3 (every unit released after use), one row per rank."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    torch.manual_seed(0)
-    model = _MoEModel()
-    utils.set_z3_leaf_modules(model, [_Experts])
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
     engine, *_ = zerotune.initialize(model=model, config=config)
-    assert engine.memory_breakdown()["params"] > 0
     losses, norms = [], []
     for step in range(4):
         loss = loss_of(engine, rank_slice(_moe_batch(step, 0, world), rank, world))
@@ -222,6 +219,13 @@ def _leaf_moe_stage3() -> Trace:
         norms.append(engine.get_global_grad_norm())
     engine.destroy()
     return Trace(losses, norms)
+
+
+def _leaf_moe_stage3() -> Trace:
+    torch.manual_seed(0)
+    model = _MoEModel()
+    utils.set_z3_leaf_modules(model, [_Experts])
+    return _stage3_sgd_trace(model)
 
 
 def test_leaf_moe_block_with_data_dependent_experts_matches_single_process_at_stage3() -> None:
@@ -261,28 +265,14 @@ def test_register_external_parameter_moves_the_weight_to_the_always_gathered_roo
 
 
 def _external_stage3() -> Trace:
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(0)
     model = _ReachesAcross()
     compat_zero.register_external_parameter(model.head, model.body.weight)
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "steps_per_print": 1000,
-              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = zerotune.initialize(model=model, config=config)
-    losses, norms = [], []
-    for step in range(4):
-        loss = loss_of(engine, rank_slice(_moe_batch(step, 0, world), rank, world))
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        torch.distributed.all_reduce(total)
-        losses.append(total.item() / world)
-        norms.append(engine.get_global_grad_norm())
+    trace = _stage3_sgd_trace(model)
     ids = [getattr(p, "ds_id", None) for p in model.parameters()]
-    shapes = [tuple(p.ds_shape) == tuple(p.shape) and p.ds_numel == p.numel() for p in model.parameters()]
-    engine.destroy()
-    assert None not in ids and len(set(ids)) == len(ids) and all(shapes)
-    return Trace(losses, norms)
+    assert None not in ids and len(set(ids)) == len(ids)
+    assert all(tuple(p.ds_shape) == tuple(p.shape) and p.ds_numel == p.numel() for p in model.parameters())
+    return trace
 
 
 def test_external_parameter_at_stage3_matches_single_process_and_params_carry_ds_attributes() -> None:

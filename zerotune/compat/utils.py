@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import logging
 import random
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
