@@ -109,7 +109,13 @@ def test_missing_checkpoint_files_are_named(tmp_path: Path) -> None:
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "model_states.pt").write_bytes(b"truncated")
     message = run_distributed(_load_missing, 2, str(tmp_path), "broken")[0]
-    assert "model_states.pt" in message and "truncated" in message
+    assert f"{tmp_path / 'broken'} has no manifest.json: not a complete zerotune checkpoint" in message
+    run_distributed(_save_twice, 2, str(tmp_path))
+    model_states = tmp_path / "same" / "model_states.pt"
+    model_states.write_bytes(model_states.read_bytes()[:-100])  # truncated after the save
+    messages = run_distributed(_load_missing, 2, str(tmp_path), "same")
+    assert all(m == f"checkpoint file {model_states} is damaged: its SHA-256 does not match manifest.json"
+               for m in messages)  # rank 1 does not read it, but fails with rank 0
 
 
 def _save_twice(save_dir: str) -> list[str]:
@@ -126,7 +132,7 @@ def test_stale_partial_save_is_replaced_and_latest_points_to_complete_tag(tmp_pa
     names = run_distributed(_save_twice, 2, str(tmp_path))[0]
     assert names == ["latest", "same"]
     assert sorted(p.name for p in (tmp_path / "same").iterdir()) == [
-        "model_states.pt", "optim_states.pt", "rng_state_rank0.pt", "rng_state_rank1.pt"]
+        "manifest.json", "model_states.pt", "optim_states.pt", "rng_state_rank0.pt", "rng_state_rank1.pt"]
 
 
 def _save_sharded(save_dir: str) -> list[str]:
@@ -149,9 +155,9 @@ def _load_sharded(save_dir: str, load_optimizer_states: bool) -> str:
 
 def test_zero_shards_name_their_rank_and_other_dp_sizes_are_a_clear_error(tmp_path: Path) -> None:
     names = run_distributed(_save_sharded, 2, str(tmp_path))[0]
-    assert names == ["model_states.pt", "optim_states_rank0.pt", "optim_states_rank1.pt",
+    assert names == ["manifest.json", "model_states.pt", "optim_states_rank0.pt", "optim_states_rank1.pt",
                      "rng_state_rank0.pt", "rng_state_rank1.pt"]
-    shard = torch.load(tmp_path / "zero2" / "optim_states_rank1.pt", weights_only=False)
+    shard = torch.load(tmp_path / "zero2" / "optim_states_rank1.pt", weights_only=True)
     assert shard["dp_world_size"] == 2 and shard["layout"][0]["params"][0][0] == "transformer.wte.weight"
     assert shard["layout"][0]["owned_range"] == (shard["layout"][0]["shard"], 2 * shard["layout"][0]["shard"])
     messages = run_distributed(_load_sharded, 4, str(tmp_path), True)

@@ -417,3 +417,10 @@ def test_resolving_for_a_world_size_surfaces_batch_errors():
 def test_model_section_is_strict_about_unknown_keys_in_python_too():
     with pytest.raises(Exception):
         ModelSection(name_or_path="x", nmae="y")
+
+
+def test_save_total_limit_becomes_the_engines_keep_last():
+    r = load_recipe(recipe(train={"save_total_limit": 2}))
+    assert recipe_engine_config(r)["checkpoint"] == {"keep_last": 2}
+    error = error_of(recipe(train={"save_total_limit": 2}, engine={"checkpoint": {"keep_last": 3}}))
+    assert error.path == "train.save_total_limit" and "engine.checkpoint.keep_last" in str(error)

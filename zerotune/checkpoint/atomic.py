@@ -1,93 +1,256 @@
-"""Crash-safe checkpoint directories: a tag either exists complete or not at all.
+"""Crash-safe, verified checkpoint directories: a tag either exists complete and intact, or not at all.
 
-Protocol (all ranks see the same filesystem, as with DeepSpeed):
-1. rank 0 creates ``<save_dir>/.<tag>.partial`` (removing a stale one from a crashed save);
-2. every rank writes its files into it, each through a temporary name and ``os.replace``;
-3. after a barrier, rank 0 renames the directory to ``<save_dir>/<tag>`` (an existing tag of
-   the same name is moved aside first and deleted after) and only then rewrites ``latest``.
-A crash at any point leaves the previous checkpoint and ``latest`` intact.
+Save protocol (all ranks see the same filesystem, as with DeepSpeed):
+1. rank 0 first repairs what a crashed save can leave (``recover``): a ``.<tag>.old`` whose
+   ``<tag>`` is missing goes back to ``<tag>``; leftover ``.old`` copies and stale ``.partial``
+   staging directories of any tag are removed;
+2. rank 0 creates ``<save_dir>/.<tag>.partial``; every rank writes its files into it, each
+   through a temporary name, fsync and ``os.replace``, and hashes what it wrote (SHA-256);
+3. rank 0 writes ``manifest.json`` (every file's size and SHA-256) *last* into the staging directory;
+4. rank 0 publishes: an existing ``<tag>`` is renamed to ``.<tag>.old``, the staging directory to
+   ``<tag>``, then ``latest`` is rewritten (temporary name + rename) and the ``.old`` copy deleted.
+A crash between any two of these filesystem operations leaves a loadable checkpoint that ``latest``
+(or the tag) resolves to: the previous one, or the new one once it is complete. Reading resolves a
+tag to ``<tag>``, or to ``.<tag>.old`` in the one window where the rename was interrupted.
+
+Trust: tags and ``latest`` must name a directory inside the save directory (one path component,
+no dot prefix); files are read with ``torch.load(weights_only=True)`` -- tensors, numbers, strings
+and containers, never arbitrary objects -- only after their SHA-256 matched the manifest, so a
+malicious pickle or a flipped bit is refused with the file's name before anything is loaded.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+FORMAT = 1
+_TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or does not fit this run; the message names the file."""
+    """A checkpoint is missing, incomplete, damaged or does not fit this run; the message names the file."""
+
+
+# Every filesystem mutation of a save goes through this hook, so tests can crash a save between any
+# two operations (``set_crash_hook``) and check that what is left always loads.
+_crash_hook: Callable[[str], None] | None = None
+
+
+def set_crash_hook(hook: Callable[[str], None] | None) -> None:
+    global _crash_hook
+    _crash_hook = hook
+
+
+def _step(what: str) -> None:
+    if _crash_hook is not None:
+        _crash_hook(what)
+
+
+def check_tag(tag: str, source: str = "tag") -> str:
+    """``tag`` if it names a directory inside the save directory (one component, no dot prefix)."""
+    if not isinstance(tag, str) or not _TAG.fullmatch(tag) or tag in (LATEST, MANIFEST):
+        raise CheckpointError(f"checkpoint {source} {tag!r} is not a valid tag: use letters, digits and _ . + = - "
+                              "(not starting with '.'), so it names a directory inside the save directory")
+    return tag
 
 
 def partial_dir(save_dir: str | os.PathLike, tag: str) -> Path:
-    return Path(save_dir) / f".{tag}.partial"
+    return Path(save_dir) / f".{check_tag(tag)}.partial"
+
+
+def _old_dir(save_dir: Path, tag: str) -> Path:
+    return save_dir / f".{tag}.old"
+
+
+def recover(save_dir: str | os.PathLike) -> None:
+    """Rank 0, before a save: undo what an interrupted save left (see the module docstring)."""
+    save_dir = Path(save_dir)
+    if not save_dir.is_dir():
+        return
+    for entry in save_dir.iterdir():
+        name = entry.name
+        if name.startswith(".") and name.endswith(".old") and entry.is_dir():
+            live = save_dir / name[1:-len(".old")]
+            if live.exists():
+                _step(f"rmtree {entry}")
+                shutil.rmtree(entry)
+            else:
+                _step(f"replace {entry} -> {live}")
+                os.replace(entry, live)
+        elif name.startswith(".") and name.endswith(".partial") and entry.is_dir():
+            _step(f"rmtree {entry}")
+            shutil.rmtree(entry)
 
 
 def prepare_partial_dir(save_dir: str | os.PathLike, tag: str) -> Path:
-    """Rank 0 only: an empty staging directory for ``tag``."""
+    """Rank 0 only: repair the directory, then an empty staging directory for ``tag``."""
+    recover(save_dir)
     staging = partial_dir(save_dir, tag)
-    if staging.exists():
-        shutil.rmtree(staging)
+    _step(f"mkdir {staging}")
     staging.mkdir(parents=True)
     return staging
 
 
-def write_file_atomically(obj: Any, path: Path) -> None:
-    """torch.save to a temporary name, fsync, then rename over ``path``."""
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_file_atomically(obj: Any, path: Path) -> tuple[str, int, str]:
+    """torch.save to a temporary name, fsync, then rename over ``path``; returns (name relative to
+    the checkpoint directory, size, SHA-256) for the manifest."""
     temporary = path.with_name(path.name + ".tmp")
+    _step(f"write {temporary}")
     with open(temporary, "wb") as handle:
         torch.save(obj, handle)
         handle.flush()
         os.fsync(handle.fileno())
+    _step(f"replace {temporary} -> {path}")
     os.replace(temporary, path)
+    return path.name, path.stat().st_size, file_digest(path)
+
+
+def describe_files(directory: Path, relative_to: Path) -> list[tuple[str, int, str]]:
+    """Manifest entries for every file under ``directory`` (e.g. copied swap files)."""
+    return [(str(p.relative_to(relative_to)), p.stat().st_size, file_digest(p))
+            for p in sorted(directory.rglob("*")) if p.is_file()]
 
 
 def write_text_atomically(text: str, path: Path) -> None:
     temporary = path.with_name(path.name + ".tmp")
-    temporary.write_text(text)
+    _step(f"write {temporary}")
+    with open(temporary, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    _step(f"replace {temporary} -> {path}")
     os.replace(temporary, path)
+
+
+def write_manifest(staging: Path, entries: list[tuple[str, int, str]]) -> None:
+    """Rank 0, after every rank's files are in place: the manifest, the staging directory's last file."""
+    files = {name: {"bytes": size, "sha256": digest} for name, size, digest in sorted(entries)}
+    write_text_atomically(json.dumps({"format": FORMAT, "files": files}, indent=1), staging / MANIFEST)
 
 
 def publish(save_dir: str | os.PathLike, tag: str, update_latest: bool) -> Path:
     """Rank 0 only: make the staged tag visible, then point ``latest`` at it."""
     save_dir = Path(save_dir)
-    final = save_dir / tag
+    final = save_dir / check_tag(tag)
     staging = partial_dir(save_dir, tag)
-    retired = None
+    retired = _old_dir(save_dir, tag)
     if final.exists():
-        retired = save_dir / f".{tag}.old"
-        if retired.exists():
-            shutil.rmtree(retired)
+        _step(f"replace {final} -> {retired}")
         os.replace(final, retired)
+    _step(f"replace {staging} -> {final}")
     os.replace(staging, final)
+    _fsync_directory(save_dir)
     if update_latest:
         write_text_atomically(tag, save_dir / LATEST)
-    if retired is not None:
+    if retired.exists():
+        _step(f"rmtree {retired}")
         shutil.rmtree(retired)
     return final
+
+
+def retain_newest(save_dir: str | os.PathLike, keep: int) -> list[str]:
+    """Rank 0, after a publish: delete all but the ``keep`` newest complete tags (by the time their
+    manifest was written), never the one ``latest`` names. Returns the deleted tags."""
+    save_dir = Path(save_dir)
+    latest = (save_dir / LATEST).read_text().strip() if (save_dir / LATEST).is_file() else None
+    tags = sorted((p for p in save_dir.iterdir() if not p.name.startswith(".") and (p / MANIFEST).is_file()),
+                  key=lambda p: (p / MANIFEST).stat().st_mtime_ns)
+    deleted = []
+    for directory in tags[:max(0, len(tags) - keep)]:
+        if directory.name != latest:
+            _step(f"rmtree {directory}")
+            shutil.rmtree(directory)
+            deleted.append(directory.name)
+    return deleted
+
+
+def _fsync_directory(directory: Path) -> None:
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def resolve_tag(load_dir: str | os.PathLike, tag: str | None) -> str | None:
     """The tag to load: the given one, or what ``latest`` names; None when there is no ``latest``."""
     load_dir = Path(load_dir)
     if tag is not None:
-        return str(tag)
+        return check_tag(str(tag))
     latest = load_dir / LATEST
     if not latest.is_file():
         return None
-    return latest.read_text().strip()
+    return check_tag(latest.read_text().strip(), f"named by {latest}")
+
+
+def tag_directory(load_dir: str | os.PathLike, tag: str) -> Path:
+    """Where ``tag`` lives: ``<tag>``, or ``.<tag>.old`` if a save was interrupted between its renames."""
+    load_dir = Path(load_dir)
+    for candidate in (load_dir / check_tag(tag), _old_dir(load_dir, tag)):
+        if candidate.is_dir():
+            return candidate
+    raise CheckpointError(f"checkpoint directory {load_dir / tag} does not exist")
+
+
+def read_manifest(directory: Path) -> dict[str, dict]:
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise CheckpointError(f"{directory} has no {MANIFEST}: not a complete zerotune checkpoint (a save that did "
+                              "not finish, or one written before checkpoints were verified)")
+    try:
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
+        if manifest.get("format") != FORMAT or not isinstance(files, dict):
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{path} is not a zerotune checkpoint manifest: {error}") from None
+    return files
+
+
+def verify_files(directory: Path, names: list[str], manifest: dict[str, dict]) -> None:
+    """Check each file's size and SHA-256 against the manifest before anything is read from it."""
+    for name in names:
+        path = directory / name
+        entry = manifest.get(name)
+        if entry is None:
+            raise CheckpointError(f"checkpoint file {path} is not listed in {directory / MANIFEST}")
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint file {path} does not exist")
+        if path.stat().st_size != entry["bytes"] or file_digest(path) != entry["sha256"]:
+            raise CheckpointError(f"checkpoint file {path} is damaged: its SHA-256 does not match {MANIFEST}")
 
 
 def read_file(path: Path, what: str) -> Any:
-    """torch.load with an error that names the file when it is missing or unreadable."""
+    """``torch.load(weights_only=True)``: tensors, numbers, strings and containers only -- a file that
+    needs anything else (code, arbitrary classes) is refused with its name."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} ({what}) does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001 - re-raised with the file name
-        raise CheckpointError(f"checkpoint file {path} ({what}) is unreadable or truncated: {error}") from error
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"checkpoint file {path} ({what}) was refused or is unreadable: only tensors, "
+                              f"numbers, strings and containers load ({reason})") from None

@@ -24,13 +24,14 @@ import logging
 
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 import torch
 
-from zerotune.checkpoint.atomic import (CheckpointError, partial_dir, prepare_partial_dir, publish, read_file,
-                                        resolve_tag, write_file_atomically)
+from zerotune.checkpoint.atomic import (CheckpointError, check_tag, describe_files, partial_dir, prepare_partial_dir, publish,
+                                        read_file, read_manifest, resolve_tag, retain_newest, tag_directory, verify_files,
+                                        write_file_atomically, write_manifest)
 from zerotune.distributed import comm
 from zerotune.monitor.logging import get_logger, log_rank0
 from zerotune.parallel.tensor.state_dict import iter_full_tensors, shard_state_dict
@@ -85,7 +86,10 @@ def rng_file(rank: int) -> str:
 
 
 def _rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+    """Every generator, as tensors, numbers and tuples only (so it loads with ``weights_only``)."""
+    name, keys, position, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached))}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -94,7 +98,8 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, position, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), position, has_gauss, cached))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 
@@ -121,22 +126,20 @@ def _optimizer_state_by_name(engine: Engine) -> dict:
     return {"state": state, "param_groups": groups, "fp32_masters": masters}
 
 
-def _load_optimizer_state_by_name(engine: Engine, saved: dict, path: Path) -> None:
+def _load_optimizer_state_by_name(engine: Engine, saved: dict, module_state: dict) -> None:
+    """Stage 0 (names checked by ``_read_and_check``). The fp32 masters come from the checkpoint's masters,
+    or, for a checkpoint saved in fp32, from its weights (exact): an fp32 checkpoint resumes in bf16/fp16."""
     order = _position_names(engine)
-    saved_names = [n for group in saved["param_groups"] for n in group["params"]]
-    if sorted(saved_names) != sorted(order):
-        missing = sorted(set(order) - set(saved_names))[:3]
-        extra = sorted(set(saved_names) - set(order))[:3]
-        raise CheckpointError(f"optimizer state in {path} does not match this model's trainable parameters "
-                              f"(missing: {missing}, unexpected: {extra})")
     index_of = {name: i for i, name in enumerate(order)}
     groups = [{**group, "params": [index_of[n] for n in group["params"]]} for group in saved["param_groups"]]
     state = {index_of[name]: value for name, value in saved["state"].items()}
     engine.optimizer.load_state_dict({"state": state, "param_groups": groups})
-    if engine.policy.mixed:
-        with torch.no_grad():
-            for p in engine.state.params:
-                engine.state.weights.master_of(p).copy_(saved["fp32_masters"][engine.param_names[id(p)]])
+    masters = saved["fp32_masters"] or (module_state if engine.policy.mixed else {})
+    with torch.no_grad():
+        for p in engine.state.params:
+            name = engine.param_names[id(p)]
+            if name in masters:
+                engine.state.weights.master_of(p).copy_(masters[name])
 
 
 def param_shard_file(rank: int) -> str:
@@ -188,31 +191,32 @@ def _param_shards(engine: Engine) -> dict:
 
 
 @torch.no_grad()
-def _load_param_shards(engine: Engine, saved: dict, path: Path) -> None:
-    if saved["layout"] != _shard_layout(engine):
-        raise CheckpointError(f"{path} covers different parameters or ranges than this model's ZeRO-3 layout "
-                              f"(saved on another number of data-parallel ranks, or another model)")
-    for unit, shards in zip(_units(engine), saved["shards"]):
-        for segment, shard in zip(unit.segments, shards):
-            segment.overwrite_local(shard, notify=False)
-
-
-def _load_sharded_optimizer_state(engine: Engine, saved: dict, path: Path) -> None:
-    if saved["dp_world_size"] != engine.dp_world_size:
-        raise CheckpointError(f"{path} holds a ZeRO shard for {saved['dp_world_size']} data-parallel ranks; "
-                              f"loading it on {engine.dp_world_size} ranks is not supported yet (resume with "
-                              f"{saved['dp_world_size']} ranks)")
-    if saved["layout"] != _shard_layout(engine):
-        raise CheckpointError(f"{path} covers different parameters or ranges than this model's ZeRO layout")
+def _load_sharded_optimizer_state(engine: Engine, saved: dict, path: Path, module_state: dict) -> None:
     engine.optimizer.load_state_dict(saved["optimizer"])
     placement = engine.state.placement
     if not placement.resident:  # NVMe offload: masters and state are the swap files saved beside
         placement.copy_files_from(path.parent / swap_dir(engine.global_rank), saved["swapped_state_keys"])
         return
     if engine.state.separate:
+        # an fp32 checkpoint has no separate masters: its weights are the exact fp32 values
+        shards = saved["fp32_master_shards"] or _master_shards_from_weights(engine, module_state)
         with torch.no_grad():
-            for master, shard in zip(engine.state.masters, saved["fp32_master_shards"]):
+            for master, shard in zip(engine.state.masters, shards):
                 master.copy_(shard)
+
+
+def _master_shards_from_weights(engine: Engine, module_state: dict) -> list[torch.Tensor]:
+    """This rank's fp32 master slice of every flat group, cut from whole (fp32) weights by name."""
+    shards = []
+    for fg in engine.state.flat_groups:
+        start, end = fg.layout.owned_range(fg.rank)
+        shard = torch.zeros(end - start, dtype=torch.float32)
+        for piece in fg.layout.owned_pieces(fg.rank):
+            weight = module_state[engine.param_names[id(fg.params[piece.param])]].reshape(-1)
+            shard[piece.flat_offset - start:piece.flat_offset - start + piece.length] = \
+                weight[piece.param_offset:piece.param_offset + piece.length].float()
+        shards.append(shard)
+    return shards
 
 
 def _agreed_tag(engine: Engine, tag: str) -> str:
@@ -234,14 +238,16 @@ def _agreed_tag(engine: Engine, tag: str) -> str:
 def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_state: dict,
                            save_latest: bool) -> None:
     tag = _agreed_tag(engine, str(tag) if tag is not None else f"global_step{engine.global_steps}")
+    check_tag(tag)
     if engine.global_rank == 0:
         prepare_partial_dir(save_dir, tag)
     comm.barrier()
     staging = partial_dir(save_dir, tag)
+    written: list[tuple[str, int, str]] = []  # this rank's manifest entries
     first_replica = engine.mesh.rank("dp_sp") == 0  # the tp ranks of each stage's first model replica
     module_state = _module_state(engine) if first_replica else None
     if first_replica and engine.mesh.rank("tp") == 0:
-        write_file_atomically({
+        written.append(write_file_atomically({
             "module": module_state,
             "global_steps": engine.global_steps, "global_samples": engine.global_samples,
             "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
@@ -251,89 +257,96 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             "layout": {"dp_world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
                        "precision": engine.policy.name, "tp_size": engine.mesh.size("tp"),
                        "sp_size": engine.mesh.size("sp"), "pp_size": engine.mesh.size("pp")},
-        }, staging / model_file(engine))
+        }, staging / model_file(engine)))
     if first_replica and not engine.sharded and engine.optimizer is not None:
-        write_file_atomically(_optimizer_state_by_name(engine), staging / optim_file(engine))
+        written.append(write_file_atomically(_optimizer_state_by_name(engine), staging / optim_file(engine)))
     if engine.sharded and engine.optimizer is not None:
-        write_file_atomically(_sharded_optimizer_state(engine), staging / optim_shard_file(engine.global_rank))
+        written.append(write_file_atomically(_sharded_optimizer_state(engine),
+                                             staging / optim_shard_file(engine.global_rank)))
         if not engine.state.placement.resident:
             engine.state.placement.copy_files_to(staging / swap_dir(engine.global_rank))
+            written += describe_files(staging / swap_dir(engine.global_rank), staging)
     if _units(engine) is not None:
-        write_file_atomically(_param_shards(engine), staging / param_shard_file(engine.global_rank))
+        written.append(write_file_atomically(_param_shards(engine), staging / param_shard_file(engine.global_rank)))
     compression_state = _compression_state(engine)
     if compression_state:  # error-feedback buffers differ per rank: part of the training state
-        write_file_atomically(compression_state, staging / compression_file(engine.global_rank))
-    write_file_atomically(_rng_state(), staging / rng_file(engine.global_rank))
-    comm.barrier()
+        written.append(write_file_atomically(compression_state, staging / compression_file(engine.global_rank)))
+    written.append(write_file_atomically(_rng_state(), staging / rng_file(engine.global_rank)))
+    everyone = comm.all_gather_object(written, None if engine.world_size == 1 else torch.distributed.group.WORLD)
     if engine.global_rank == 0:
+        write_manifest(staging, [entry for entries in everyone for entry in entries])
         final = publish(save_dir, tag, save_latest)
         get_logger().info("saved checkpoint %s", final)
+        keep = engine._config.checkpoint.keep_last
+        if keep is not None:
+            for old in retain_newest(save_dir, keep):
+                get_logger().info("deleted checkpoint %s (checkpoint.keep_last: %d)", Path(save_dir) / old, keep)
     comm.barrier()
 
 
-def _load_module(engine: Engine, saved: dict, directory: Path, strict: bool) -> None:
-    """Whole tensors from ``model_states.pt``; at stage 3 the partitioned ones from this rank's shard file."""
-    units = _units(engine)
-    saved_stage = saved["layout"]["zero_stage"]
-    if (units is not None) != (saved_stage == 3):
-        raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading it at stage "
-                              f"{engine.zero_optimization_stage()} is not supported yet (the weights of a "
-                              f"stage-3 run can be exported with save_16bit_model)")
-    if units is None:
-        try:
-            engine.module.load_state_dict(shard_state_dict(engine.module, saved["module"]), strict=strict)
-        except RuntimeError as error:
-            raise CheckpointError(f"{directory / model_file(engine)} does not fit this model: {error}") from error
+def _load_module(engine: Engine, saved: dict, directory: Path) -> None:
+    """Whole tensors from ``model_states.pt``; at stage 3 the partitioned ones from this rank's shard file
+    (both already checked against the model by ``_read_and_check``)."""
+    if _units(engine) is None:
+        engine.module.load_state_dict(shard_state_dict(engine.module, saved["module"]), strict=False)
         return
-    expected = set(_module_state(engine))
-    if strict and set(saved["module"]) != expected:
-        raise CheckpointError(f"{directory / MODEL_FILE} does not fit this model: missing "
-                              f"{sorted(expected - set(saved['module']))[:3]}, "
-                              f"unexpected {sorted(set(saved['module']) - expected)[:3]}")
     engine.module.load_state_dict(saved["module"], strict=False)
-    path = directory / param_shard_file(engine.global_rank)
-    _load_param_shards(engine, read_file(path, "ZeRO-3 parameter shards"), path)
+    for unit, shards in zip(_units(engine), saved["_param_shards"]["shards"]):
+        for segment, shard in zip(unit.segments, shards):
+            segment.overwrite_local(shard, notify=False)
+
+
+def _verify_before_loading(engine: Engine, directory: Path) -> None:
+    """Every file this rank will read matches the manifest -- checked on all ranks before any of them
+    touches its engine; one rank's damaged file is every rank's error (no rank is left waiting)."""
+    error = None
+    try:
+        manifest = read_manifest(directory)
+        mine = [name for name in manifest if _read_by_this_rank(engine, name)]
+        verify_files(directory, mine, manifest)
+    except CheckpointError as caught:
+        error = str(caught)
+    errors = comm.all_gather_object(error, None if engine.world_size == 1 else torch.distributed.group.WORLD)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
+def _read_by_this_rank(engine: Engine, name: str) -> bool:
+    rank = engine.global_rank
+    own = {model_file(engine), optim_file(engine), optim_shard_file(rank), param_shard_file(rank),
+           compression_file(rank), rng_file(rank)}
+    return name in own or name.startswith(swap_dir(rank) + "/")
 
 
 def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, load_module_strict: bool,
                            load_optimizer_states: bool, load_lr_scheduler_states: bool,
                            load_module_only: bool) -> tuple[str | None, dict | None]:
+    """Verify, read and check everything first (on every rank, errors shared), then change the engine:
+    a checkpoint that does not fit is refused before a single weight is overwritten."""
     resolved = resolve_tag(load_dir, tag)
     if resolved is None:
         get_logger().warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
         return None, None
-    directory = Path(load_dir) / resolved
-    if not directory.is_dir():
-        raise CheckpointError(f"checkpoint directory {directory} does not exist")
+    directory = tag_directory(load_dir, resolved)
     if not (directory / model_file(engine)).is_file() and (directory / MODEL_FILE).is_file():
         raise CheckpointError(f"{directory} was saved without pipeline stages; loading it with "
                               f"{engine.mesh.size('pp')} stages is not supported yet")
-    saved = read_file(directory / model_file(engine), "model states")
-    _load_module(engine, saved, directory, load_module_strict)
+    _verify_before_loading(engine, directory)
+    with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
+    saved, optimizer_file = _shared(engine, lambda: _read_and_check(engine, directory, load_module_strict,
+                                                                    with_optimizer))
+    _load_module(engine, saved, directory)
     engine.state.reload_from_model()
     if load_module_only:
         return str(directory), saved["client_state"]
-    saved_stage, stage = saved["layout"]["zero_stage"], engine.zero_optimization_stage()
-    if load_optimizer_states and engine.optimizer is not None:
-        if (saved_stage == 0) != (stage == 0):
-            raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading its optimizer state at "
-                                  f"stage {stage} is not supported yet (load_module_only=True loads the weights)")
-        saved_tp = saved["layout"].get("tp_size", 1)
-        if saved_tp != engine.mesh.size("tp"):
-            raise CheckpointError(f"{directory} holds optimizer state for tensor-parallel size {saved_tp}; loading it "
-                                  f"at size {engine.mesh.size('tp')} is not supported yet (load_module_only=True "
-                                  "loads the weights, which are saved whole)")
-        saved_dp = saved["layout"]["dp_world_size"]
-        if engine.sharded and saved_dp != engine.dp_world_size:
-            raise CheckpointError(f"{directory} holds ZeRO optimizer shards for {saved_dp} data-parallel ranks; "
-                                  f"loading them on {engine.dp_world_size} ranks is not supported yet (resume with "
-                                  f"{saved_dp} ranks, or pass load_optimizer_states=False)")
+    if optimizer_file is not None:
+        optimizer_saved, path = optimizer_file
+        whole = shard_state_dict(engine.module, saved["module"])  # this tp rank's part of every weight
         if engine.sharded:
-            path = directory / optim_shard_file(engine.global_rank)
-            _load_sharded_optimizer_state(engine, read_file(path, "optimizer shard"), path)
+            _load_sharded_optimizer_state(engine, optimizer_saved, path, whole)
         else:
-            _load_optimizer_state_by_name(engine, read_file(directory / optim_file(engine), "optimizer states"),
-                                          directory / optim_file(engine))
+            _load_optimizer_state_by_name(engine, optimizer_saved, whole)
     if load_lr_scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     engine.loss_scaler.load_state_dict(saved["loss_scaler"])
@@ -353,3 +366,92 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
                              rng_path, saved["layout"]["dp_world_size"])
     engine.zero_grad()
     return str(directory), saved["client_state"]
+
+
+def _shared(engine: Engine, work: Callable[[], Any]) -> Any:
+    """Run ``work`` on every rank; if it raised CheckpointError on any rank, raise the first on all."""
+    result, error = None, None
+    try:
+        result = work()
+    except CheckpointError as caught:
+        error = str(caught)
+    errors = comm.all_gather_object(error, None if engine.world_size == 1 else torch.distributed.group.WORLD)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+    return result
+
+
+def _read_and_check(engine: Engine, directory: Path, strict: bool, with_optimizer: bool) -> tuple[dict, Any]:
+    """Read what this rank loads and refuse a mismatch (model, shapes, layout) before anything changes."""
+    path = directory / model_file(engine)
+    saved = read_file(path, "model states")
+    units = _units(engine)
+    saved_stage, stage = saved["layout"]["zero_stage"], engine.zero_optimization_stage()
+    if (units is not None) != (saved_stage == 3):
+        raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading it at stage {stage} is not "
+                              "supported yet (the weights of a stage-3 run can be exported with save_16bit_model)")
+    if units is None:
+        _check_module_fits(engine, shard_state_dict(engine.module, saved["module"]), path, strict)
+    else:
+        expected = set(_module_state(engine))
+        if strict and set(saved["module"]) != expected:
+            raise CheckpointError(f"{path} does not fit this model: missing {sorted(expected - set(saved['module']))[:3]}"
+                                  f", unexpected {sorted(set(saved['module']) - expected)[:3]}")
+        shards_path = directory / param_shard_file(engine.global_rank)
+        shards = read_file(shards_path, "ZeRO-3 parameter shards")
+        if shards["layout"] != _shard_layout(engine):
+            raise CheckpointError(f"{shards_path} covers different parameters or ranges than this model's ZeRO-3 "
+                                  "layout (saved on another number of data-parallel ranks, or another model)")
+        saved["_param_shards"] = shards
+    if not with_optimizer:
+        return saved, None
+    if (saved_stage == 0) != (stage == 0):
+        raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading its optimizer state at "
+                              f"stage {stage} is not supported yet (load_module_only=True loads the weights)")
+    saved_tp = saved["layout"].get("tp_size", 1)
+    if saved_tp != engine.mesh.size("tp"):
+        raise CheckpointError(f"{directory} holds optimizer state for tensor-parallel size {saved_tp}; loading it "
+                              f"at size {engine.mesh.size('tp')} is not supported yet (load_module_only=True "
+                              "loads the weights, which are saved whole)")
+    saved_dp = saved["layout"]["dp_world_size"]
+    if engine.sharded and saved_dp != engine.dp_world_size:
+        raise CheckpointError(f"{directory} holds ZeRO optimizer shards for {saved_dp} data-parallel ranks; "
+                              f"loading them on {engine.dp_world_size} ranks is not supported yet (resume with "
+                              f"{saved_dp} ranks, or pass load_optimizer_states=False)")
+    if engine.sharded:
+        optimizer_path = directory / optim_shard_file(engine.global_rank)
+        optimizer_saved = read_file(optimizer_path, "optimizer shard")
+        if optimizer_saved["layout"] != _shard_layout(engine):
+            raise CheckpointError(f"{optimizer_path} covers different parameters or ranges than this model's ZeRO layout")
+        if units is not None and engine.state.separate and not optimizer_saved["fp32_master_shards"]:
+            raise CheckpointError(f"{optimizer_path} was saved in {saved['layout']['precision']}; loading its optimizer "
+                                  f"state into a {engine.policy.name} run at ZeRO stage 3 is not supported yet")
+    else:
+        optimizer_path = directory / optim_file(engine)
+        optimizer_saved = read_file(optimizer_path, "optimizer states")
+        order = _position_names(engine)
+        saved_names = [n for group in optimizer_saved["param_groups"] for n in group["params"]]
+        if sorted(saved_names) != sorted(order):
+            missing = sorted(set(order) - set(saved_names))[:3]
+            extra = sorted(set(saved_names) - set(order))[:3]
+            raise CheckpointError(f"optimizer state in {optimizer_path} does not match this model's trainable "
+                                  f"parameters (missing: {missing}, unexpected: {extra})")
+    return saved, (optimizer_saved, optimizer_path)
+
+
+def _check_module_fits(engine: Engine, saved: dict, path: Path, strict: bool) -> None:
+    """One line naming the first parameter or buffer whose name or shape does not match (dtypes are
+    converted: an fp32 checkpoint loads into a bf16 run)."""
+    live = engine.module.state_dict()
+    for name, tensor in live.items():
+        if name not in saved:
+            if strict:
+                raise CheckpointError(f"{path} does not fit this model: '{name}' is missing from the checkpoint")
+        elif tuple(saved[name].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{path} does not fit this model: '{name}' has shape {tuple(saved[name].shape)} in "
+                                  f"the checkpoint and {tuple(tensor.shape)} in the model")
+    unexpected = [name for name in saved if name not in live]
+    if strict and unexpected:
+        raise CheckpointError(f"{path} does not fit this model: '{unexpected[0]}' is in the checkpoint but not in "
+                              "the model")

@@ -242,6 +242,9 @@ class CheckpointConfig(Section):
         "use_node_local_storage": "true is refused; every rank writes its files under the save directory",
     }
 
+    keep_last: OptAutoPosInt = None
+    """Keep only the newest N checkpoints in the save directory (older tags are deleted after each save;
+    the one ``latest`` names is always kept); unset keeps all (zerotune extension)."""
     tag_validation: Literal["Ignore", "Warn", "Fail"] = "Warn"
     """What to do when ranks save under different tags: Ignore, Warn or Fail (case-insensitive)."""
     load_universal: AutoBool = False

@@ -160,6 +160,9 @@ def derive_engine_config(recipe: Recipe, *, total_steps: int | None, dp_world_si
     fill_from_train(params, "lr", "lr", "engine.optimizer.params.lr")
     fill_from_train(params, "weight_decay", "weight_decay", "engine.optimizer.params.weight_decay")
     _fill_scheduler(config, recipe, params["lr"], train.max_steps or total_steps, at_load)
+    if train.save_total_limit is not None:
+        fill_from_train(config.setdefault("checkpoint", {}), "keep_last", "save_total_limit",
+                        "engine.checkpoint.keep_last")
     if engine.zero_stage is not None:
         _fill(config.setdefault("zero_optimization", {}), "stage", engine.zero_stage, recipe_key="engine.zero_stage",
               explicit=True, engine_key="engine.zero_optimization.stage")

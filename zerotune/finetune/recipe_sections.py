@@ -132,6 +132,8 @@ class TrainSection(Section):
     """Evaluate every this many optimizer steps; 0 evaluates only at the end."""
     save_every: NonNegInt = 0
     """Save a checkpoint every this many optimizer steps; 0 never checkpoints during training."""
+    save_total_limit: Optional[PosInt] = None
+    """Keep only the newest N checkpoints (HF Trainer's name; the engine's checkpoint.keep_last)."""
     log_every: PosInt = 10
     """Log the training loss and lr every this many optimizer steps."""
     gradient_clipping: NonNegFloat = 1.0
