@@ -223,3 +223,38 @@ def _save_four(directory: str) -> list[str]:
 
 def test_keep_last_prunes_old_checkpoints(tmp_path: Path) -> None:
     assert run_distributed(_save_four, 2, str(tmp_path))[0] == ["global_step3", "global_step4", "latest"]
+
+
+def _save_without_frozen_base(directory: str) -> int:
+    from tests.models import make_mlp, mlp_batch
+
+    engine, *_ = zerotune.initialize(model=make_mlp(), config=_config())
+    engine.backward(engine(**mlp_batch(0, 0, 2)))
+    engine.step()
+    engine.save_checkpoint(directory, tag="peft", exclude_frozen_parameters=True)
+    engine.destroy()
+    return torch.load(Path(directory) / "peft" / "model_states.pt", weights_only=True)
+
+
+def _load_with_base(directory: str, seed: int) -> str:
+    from tests.models import make_mlp
+
+    engine, *_ = zerotune.initialize(model=make_mlp(seed=seed), config=_config())
+    try:
+        engine.load_checkpoint(directory, tag="peft")
+        return "loaded " + str(engine.global_steps)
+    except CheckpointError as error:
+        return str(error)
+    finally:
+        engine.destroy()
+
+
+def test_a_checkpoint_without_its_frozen_base_checks_the_base_on_resume(tmp_path: Path) -> None:
+    saved = run_distributed(_save_without_frozen_base, 1, str(tmp_path))[0]
+    assert "frozen.weight" not in saved["module"] and "inp.weight" in saved["module"]
+    assert set(saved["frozen_fingerprint"]["shapes"]) == {"frozen.weight", "frozen.bias"}
+    assert run_distributed(_load_with_base, 1, str(tmp_path), 0)[0] == "loaded 1"  # the same base
+    message = run_distributed(_load_with_base, 1, str(tmp_path), 3)[0]  # another base of the same shapes
+    assert message == (f"{tmp_path / 'peft' / 'model_states.pt'} was saved without its frozen base, and this model's "
+                       "frozen weights are not the ones it was trained on (their SHA-256 differs): load the same base "
+                       "model")

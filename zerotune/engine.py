@@ -356,8 +356,10 @@ class Engine(EngineQueries, torch.nn.Module):
 
     # ---- checkpoints ---------------------------------------------------------------------
     def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> bool:
-        save_engine_checkpoint(self, save_dir, tag, client_state or {}, save_latest)
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """``exclude_frozen_parameters`` (LoRA / prefix tuning): save the trainable weights and a fingerprint of
+        the frozen base instead of the base; loading checks the fingerprint."""
+        save_engine_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,

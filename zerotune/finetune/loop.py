@@ -96,6 +96,8 @@ class LoopSettings:
     save_every: int
     checkpoint_dir: Path
     client_state: dict = field(default_factory=dict)
+    exclude_frozen: bool = False
+    """Save the trainable weights and a fingerprint of the frozen base, not the base (LoRA / prefix)."""
 
 
 def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], settings: LoopSettings,
@@ -138,7 +140,8 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
             if settings.eval_every and step % settings.eval_every == 0 and step < settings.total_steps:
                 metrics.write({"split": "eval", "step": step, **evaluate_fn()})
             if settings.save_every and step % settings.save_every == 0:
-                engine.save_checkpoint(str(settings.checkpoint_dir), client_state=settings.client_state)
+                engine.save_checkpoint(str(settings.checkpoint_dir), client_state=settings.client_state,
+                                       exclude_frozen_parameters=settings.exclude_frozen)
             if step >= settings.total_steps:
                 break
         skip = 0

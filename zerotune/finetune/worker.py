@@ -137,7 +137,8 @@ def run(args: argparse.Namespace) -> dict:
         progress = tqdm(total=total_steps, initial=engine.global_steps, desc="finetune", unit="step",
                         file=sys.stderr, dynamic_ncols=True)
     settings = loop.LoopSettings(total_steps, recipe.train.log_every, recipe.train.eval_every, recipe.train.save_every,
-                                 checkpoint_dir, client_state={"before": before})
+                                 checkpoint_dir, client_state={"before": before},
+                                 exclude_frozen=any(not p.requires_grad for p in model.parameters()))
     throughput = loop.train(engine, loader, evaluate, settings, metrics, progress)
     if progress is not None:
         progress.close()
