@@ -359,7 +359,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                     loss_scaler=_loss_scaler(cfg), param_names={id(p): n for n, p in model.named_parameters()},
                     training_dataloader=build_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu,
                                                           collate_fn, cfg.dataloader_drop_last),
-                    compressor=compressor, client_optimizer=optimizer if optimizer is not None else None)
+                    compressor=compressor,
+                    client_optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
     log_rank0("zerotune engine: world %d (dp %d x sp %d x tp %d), ZeRO stage %d, %s, micro-batch %d x GAS %d = batch %d",
               env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage, policy.name,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)
