@@ -20,6 +20,18 @@ def run_client(script: str, *script_args: str, nproc: int = 2, as_deepspeed: boo
                "--nproc_per_node", str(nproc), str(CLIENTS / script), *script_args]
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"rank"')]
+    rows = _rank_rows(done.stdout)
     assert len(rows) == nproc, done.stdout[-3000:]
     return sorted(rows, key=lambda row: row["rank"])
+
+
+def _rank_rows(text: str) -> list[dict]:
+    """Every ``{"rank": ...}`` object in the ranks' merged output. Each rank prints its row with one
+    write (atomic on a pipe), but the newline is a second write, so two rows can share a line."""
+    decoder, rows = json.JSONDecoder(), []
+    start = text.find('{"rank"')
+    while start != -1:
+        row, end = decoder.raw_decode(text, start)
+        rows.append(row)
+        start = text.find('{"rank"', end)
+    return rows

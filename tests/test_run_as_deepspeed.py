@@ -76,3 +76,16 @@ def test_bert_style_script_with_grouped_parameters_and_client_state(tmp_path: Pa
         assert row["global_steps"] == 4 and row["groups"] == [0.01, 0.0]
         assert row["client_state"] == {"last_step": 8, "data_position": 64}
         assert row["lr"] == [pytest.approx(1e-3)] * 2  # both groups, warm-up done
+
+
+@pytest.mark.slow
+def test_api_surface_script() -> None:
+    rows = _run("api_surface.py")
+    for row in rows:
+        assert row["ds_config"] == [8, 3] and row["leaves"] == 1 and row["groups"] == [2, 1]
+        assert row["members"] == ["adamw", False, 1.0, True, True, 2]
+        assert row["backward_returns"] and row["steps"] == 2 and row["hooked"] == [1, 2]
+        assert row["samples_per_sec"] and row["gas"] == 4 and row["eval"]
+        assert row["no_sync"] == "engine.no_sync() is incompatible with ZeRO stage 3"
+        assert row["refused"] == ("deepspeed.init_inference: inference (init_inference, kernel injection) is a "
+                                  "DeepSpeed feature zerotune does not support")
