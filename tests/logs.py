@@ -26,7 +26,14 @@ def logger_state_restored(name: str = ZEROTUNE_LOGGER) -> Iterator[logging.Logge
     try:
         yield logger
     finally:
-        logger.handlers[:] = handlers
+        # Drop what the block added; put back what it removed -- except pytest's own capture handlers
+        # (pytest >= 9.2 attaches them to non-propagating loggers for each phase and removes them itself;
+        # restoring one from an earlier phase would leak it).
+        for handler in [h for h in logger.handlers if h not in handlers]:
+            logger.removeHandler(handler)
+        for handler in handlers:
+            if handler not in logger.handlers and not type(handler).__module__.startswith("_pytest"):
+                logger.addHandler(handler)
         logger.setLevel(level)
         logger.propagate, logger.disabled = propagate, disabled
         if marked:

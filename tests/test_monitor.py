@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zerotune.monitor.logging import get_logger, log_rank0
+from zerotune.monitor.logging import CONSOLE_HANDLER, get_logger, log_rank0
 from zerotune.monitor.step_report import StepReporter
 from zerotune.monitor.timers import WallClockTimers
 from zerotune.monitor.writers import ScalarWriters, csv_file_name
@@ -59,8 +59,10 @@ def test_get_logger_installs_one_handler_and_formats_with_prefix(capsys):
     first = get_logger()
     second = get_logger()
     assert first is second and first.name == "zerotune"
-    assert len(first.handlers) == 1 and first.level == logging.INFO
-    text = first.handlers[0].formatter.format(logging.makeLogRecord({"msg": "hello", "levelno": 20}))
+    # pytest >= 9.2 attaches its capture handlers to non-propagating loggers too: count zerotune's own
+    ours = [h for h in first.handlers if h.get_name() == CONSOLE_HANDLER]
+    assert len(ours) == 1 and first.level == logging.INFO and not first.propagate
+    text = ours[0].formatter.format(logging.makeLogRecord({"msg": "hello", "levelno": 20}))
     assert text.startswith("[zerotune] ") and text.endswith(" hello")
 
 
@@ -264,3 +266,11 @@ def test_step_reporter_is_silent_off_rank_zero_and_validates_interval(zerotune_l
     assert zerotune_log.records == [] and writers.rows == []
     with pytest.raises(ValueError, match="steps_per_print must be a positive integer, got 0"):
         StepReporter(steps_per_print=0, rank=0, writers=None, timers=None)
+
+
+def test_no_capture_handlers_leak_onto_the_zerotune_logger_between_tests():
+    """pytest >= 9.2 puts its per-phase capture handlers on non-propagating loggers and takes them off again;
+    the per-test logger restore must not put an earlier phase's back (they would pile up over the suite)."""
+    logger = get_logger()
+    capture = [h for h in logger.handlers if type(h).__module__.startswith("_pytest")]
+    assert len([h for h in capture if type(h).__name__ == "LogCaptureHandler"]) <= 2  # this phase's caplog + report

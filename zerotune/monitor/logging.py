@@ -14,6 +14,9 @@ _FORMAT = "[zerotune] %(asctime)s %(message)s"
 _DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
+CONSOLE_HANDLER = "zerotune-console"
+
+
 def get_logger() -> logging.Logger:
     """Return the "zerotune" logger, installing its console handler on first use.
 
@@ -25,6 +28,7 @@ def get_logger() -> logging.Logger:
     logger = logging.getLogger(LOGGER_NAME)
     if not getattr(logger, "_zerotune_configured", False):
         handler = logging.StreamHandler(sys.stdout)
+        handler.set_name(CONSOLE_HANDLER)
         handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
