@@ -119,16 +119,6 @@ def test_two_stages_by_two_data_parallel_ranks_with_zero_matches_single_process(
         assert_close_traces(trace, expected, rel=1e-5)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("zero_stage", [1, 2])
-def test_four_stages_by_two_data_parallel_ranks_with_zero_matches_single_process(zero_stage):
-    """pp4 x dp2 on 8 ranks: gradients partitioned over each stage's two data-parallel ranks (ZeRO-2),
-    the tied projection summed over the first and last stage."""
-    expected = _reference()
-    for trace in run_distributed(_pipeline_run, 8, 4, "1f1b", zero_stage, timeout=300):
-        assert_close_traces(trace, expected, rel=1e-5)
-
-
 def _zero2_state(zero_stage: int) -> dict:
     engine = _engine(2, "1f1b", zero_stage)
     _train(engine, range(1))

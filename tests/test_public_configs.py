@@ -40,11 +40,21 @@ def test_public_config_loads_resolves_and_is_implemented(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", FILES)
-def test_zerotune_check_prints_the_table_and_its_notes(name: str) -> None:
-    done = subprocess.run([sys.executable, "-m", "zerotune.cli.main", "check", str(CONFIGS / name), "--world-size", "2"],
+def test_zerotune_check_prints_the_table_and_its_notes(name: str, capsys) -> None:
+    from zerotune.cli.check import main as check
+
+    assert check([str(CONFIGS / name), "--world-size", "2"]) == 0
+    assert "zero_optimization.stage" in capsys.readouterr().out
+
+
+def test_zerotune_check_command_shows_legacy_and_no_effect_notes() -> None:
+    done = subprocess.run([sys.executable, "-m", "zerotune.cli.main", "check",
+                           str(CONFIGS / "deepspeed_tutorial_legacy.json"), "--world-size", "2"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert "zero_optimization.stage" in done.stdout
+    notes = done.stdout.split("notes:", 1)[1]
+    assert "zero_optimization.cpu_offload: legacy key: zero_optimization.offload_optimizer.device = cpu" in notes
+    assert "flops_profiler: no effect here: the feature is off" in notes
 
 
 def test_aliases_legacy_keys_and_no_effect_keys_are_mapped_and_reported() -> None:
