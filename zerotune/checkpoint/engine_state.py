@@ -149,17 +149,11 @@ def _load_module(engine: Engine, saved: dict, directory: Path) -> None:
 def _verify_before_loading(engine: Engine, directory: Path) -> None:
     """Every file this rank will read matches the manifest -- checked on all ranks before any of them
     touches its engine; one rank's damaged file is every rank's error (no rank is left waiting)."""
-    error = None
-    try:
+    def verify() -> None:
         manifest = read_manifest(directory)
-        mine = [name for name in manifest if _read_by_this_rank(engine, name)]
-        verify_files(directory, mine, manifest)
-    except CheckpointError as caught:
-        error = str(caught)
-    errors = comm.all_gather_object(error, None if engine.world_size == 1 else torch.distributed.group.WORLD)
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise CheckpointError(first)
+        verify_files(directory, [name for name in manifest if _read_by_this_rank(engine, name)], manifest)
+
+    _shared(engine, verify)
 
 
 def _read_by_this_rank(engine: Engine, name: str) -> bool:
