@@ -63,9 +63,6 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.utils": Mapped("zerotune.compat.utils", (
         "logger", "log_dist", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
         "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx")),
-    "deepspeed.utils.logging": Mapped("zerotune.compat.utils", ("logger", "log_dist")),
-    "deepspeed.utils.z3_leaf_module": Mapped("zerotune.compat.utils", (
-        "set_z3_leaf_modules", "unset_z3_leaf_modules", "get_z3_leaf_modules", "z3_leaf_module")),
     "deepspeed.utils.groups": Mapped("zerotune.compat.groups", (
         "_get_data_parallel_group", "_get_data_parallel_world_size", "_get_data_parallel_rank",
         "_get_model_parallel_group", "_get_model_parallel_world_size", "_get_model_parallel_rank",
