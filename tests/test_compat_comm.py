@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import zerotune.comm as dist
@@ -94,6 +95,9 @@ def test_deepspeed_comm_signatures_on_two_ranks() -> None:
 
 
 def test_queries_before_initialization_answer_for_one_process() -> None:
-    assert dist.get_rank() in (0, torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
+    if not torch.distributed.is_initialized():  # the pytest process itself never joins a group
+        assert (dist.get_rank(), dist.get_world_size(), dist.is_initialized()) == (0, 1, False)
+        with pytest.raises(dist.CommError, match="not initialized: call zerotune.comm.init_distributed"):
+            dist.all_reduce(torch.ones(1))
     assert dist.is_available()
     assert dist.has_all_gather_into_tensor() and dist.has_reduce_scatter_tensor()
