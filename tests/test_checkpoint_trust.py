@@ -77,7 +77,7 @@ def test_a_pickle_that_runs_code_is_refused_and_never_runs(tmp_path: Path) -> No
 
 def test_a_flipped_bit_is_found_before_anything_loads(tmp_path: Path) -> None:
     run_distributed(_train_and_save, 2, str(tmp_path), "t", 1, stage=1)
-    shard = tmp_path / "t" / "optim_states_rank1.pt"
+    shard = tmp_path / "t" / "shard_rank1.pt"
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x01
     shard.write_bytes(bytes(data))
@@ -207,7 +207,7 @@ def _load_into_wider(directory: str) -> tuple[str, bool]:
 def test_a_checkpoint_of_another_model_is_refused_before_anything_changes(tmp_path: Path) -> None:
     run_distributed(_train_and_save, 1, str(tmp_path))
     message, unchanged = run_distributed(_load_into_wider, 1, str(tmp_path))[0]
-    assert message == (f"{tmp_path / 't' / 'model_states.pt'} does not fit this model: 'transformer.wte.weight' has "
+    assert message == (f"{tmp_path / 't'} does not fit this model: 'transformer.wte.weight' has "
                        "shape (96, 32) in the checkpoint and (96, 48) in the model")
     assert unchanged
 

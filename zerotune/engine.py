@@ -377,20 +377,20 @@ class Engine(EngineQueries, torch.nn.Module):
         At stage 3 the units are gathered one at a time; a ``.safetensors`` file name streams them
         to disk, so rank 0 never holds more than the largest unit (other names are ``torch.save``d).
         """
-        units = getattr(self.state, "units", None)
-        if units is not None and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        units = self.state.units  # stage 3's partitioned units (empty below)
+        if units and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             log_rank0("save_16bit_model: nothing saved: ZeRO stage 3 keeps the parameters partitioned; set "
                       "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to gather them "
                       "(save_checkpoint saves the shards)", rank=self.global_rank)
             return False
-        save_consolidated(self.module, units or [], Path(save_dir) / save_filename, rank=self.global_rank,
+        save_consolidated(self.module, units, Path(save_dir) / save_filename, rank=self.global_rank,
                           exclude_frozen=exclude_frozen_parameters, tp_group=self.mesh.group("tp"))
         comm.barrier()
         return True
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The whole state dict on rank 0 (empty on the others); every rank must call it."""
-        items = iter_consolidated(self.module, getattr(self.state, "units", []),
+        items = iter_consolidated(self.module, self.state.units,
                                   exclude_frozen=exclude_frozen_parameters, tp_group=self.mesh.group("tp"))
         gathered = {key: tensor.clone().cpu() for key, tensor in items}
         return gathered if self.global_rank == 0 else {}

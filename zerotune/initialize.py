@@ -25,8 +25,8 @@ from zerotune.engine import Engine
 from zerotune.engine_data import build_dataloader
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.activation_checkpointing import apply_activation_checkpointing
-from zerotune.parallel.setup import (check_model_parallel_composes, install_sequence_parallel, limit_norm_to_one_holder,
-                                     parallel_dims, split_tensor_parallel)
+from zerotune.initialize_parallel import (check_model_parallel_composes, install_sequence_parallel,
+                                          limit_norm_to_one_holder, parallel_dims, split_tensor_parallel)
 from zerotune.pipe.engine import PipelineEngine
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.setup import build_pipeline, check_pipeline_composes
@@ -40,7 +40,7 @@ from zerotune.offload.cpu_step import cpu_step_threads
 from zerotune.offload.nvme_optimizer import NvmePlacement
 from zerotune.offload.buffers import BufferPool as SwapBufferPool
 from zerotune.offload.swap_files import AioSettings, SwapStore
-from zerotune.zero.master_placement import MasterPlacement
+from zerotune.offload.master_placement import MasterPlacement
 from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.sharded_state import ShardedState
 from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync

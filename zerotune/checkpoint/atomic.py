@@ -33,7 +33,7 @@ import torch
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2
 _TAG = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.+=-]*")
 
 
@@ -223,10 +223,14 @@ def read_manifest(directory: Path) -> dict[str, dict]:
     try:
         manifest = json.loads(path.read_text())
         files = manifest["files"]
-        if manifest.get("format") != FORMAT or not isinstance(files, dict):
-            raise ValueError(f"format {manifest.get('format')!r}")
+        if not isinstance(files, dict):
+            raise ValueError("no file table")
     except (ValueError, KeyError, TypeError) as error:
         raise CheckpointError(f"{path} is not a zerotune checkpoint manifest: {error}") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is checkpoint format {manifest.get('format')!r}; this zerotune reads format "
+                              f"{FORMAT} (checkpoints by parameter name, loadable at any layout): load it with the "
+                              "zerotune version that wrote it and export the weights (save_16bit_model)")
     return files
 
 
@@ -243,13 +247,14 @@ def verify_files(directory: Path, names: list[str], manifest: dict[str, dict]) -
             raise CheckpointError(f"checkpoint file {path} is damaged: its SHA-256 does not match {MANIFEST}")
 
 
-def read_file(path: Path, what: str) -> Any:
+def read_file(path: Path, what: str, mmap: bool = False) -> Any:
     """``torch.load(weights_only=True)``: tensors, numbers, strings and containers only -- a file that
-    needs anything else (code, arbitrary classes) is refused with its name."""
+    needs anything else (code, arbitrary classes) is refused with its name. ``mmap``: tensors stay in the
+    file until read (a reader touches only the bytes it uses)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} ({what}) does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as error:  # noqa: BLE001 - re-raised with the file name
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"checkpoint file {path} ({what}) was refused or is unreadable: only tensors, "

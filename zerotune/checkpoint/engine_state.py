@@ -18,7 +18,6 @@ import torch
 from zerotune.checkpoint.atomic import (
     CheckpointError,
     check_tag,
-    describe_files,
     partial_dir,
     prepare_partial_dir,
     publish,
@@ -32,34 +31,30 @@ from zerotune.checkpoint.atomic import (
     write_manifest,
 )
 from zerotune.checkpoint.engine_parts import (
-    MODEL_FILE,
+    MODEL_FILE_PATTERN,
     check_frozen_base,
     compression_file,
     compression_state,
     frozen_fingerprint,
     frozen_names,
     load_compression_state,
-    load_optimizer_state_by_name,
-    load_sharded_optimizer_state,
     model_file,
     module_state,
-    optim_file,
-    optim_shard_file,
-    optimizer_state_by_name,
-    param_shard_file,
-    param_shards,
-    position_names,
     rng_file,
     rng_state,
     set_rng_state,
-    shard_layout,
-    sharded_optimizer_state,
-    swap_dir,
-    units,
+)
+from zerotune.checkpoint.logical import (
+    SHARD_FILE_PATTERN,
+    PieceReader,
+    check_fits,
+    load_optimizer_state,
+    load_weights,
+    rank_pieces,
+    shard_file,
 )
 from zerotune.distributed import comm
 from zerotune.monitor.logging import get_logger, log_rank0
-from zerotune.parallel.tensor.state_dict import shard_state_dict
 
 if TYPE_CHECKING:
     from zerotune.engine import Engine
@@ -81,6 +76,19 @@ def _agreed_tag(engine: Engine, tag: str) -> str:
     return tags[0]
 
 
+def _layout(engine: Engine) -> dict:
+    return {"dp_world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
+            "precision": engine.policy.name, "tp_size": engine.mesh.size("tp"), "sp_size": engine.mesh.size("sp"),
+            "pp_size": engine.mesh.size("pp")}
+
+
+def _group_hyperparameters(engine: Engine) -> list[dict] | None:
+    """Each optimizer group's settings (lr, betas, ...): the same groups exist at every layout."""
+    if engine.optimizer is None:
+        return None
+    return [{k: v for k, v in group.items() if k != "params"} for group in engine.optimizer.param_groups]
+
+
 def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_state: dict,
                            save_latest: bool, exclude_frozen: bool = False) -> None:
     tag = _agreed_tag(engine, str(tag) if tag is not None else f"global_step{engine.global_steps}")
@@ -93,7 +101,7 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
     first_replica = engine.mesh.rank("dp_sp") == 0  # the tp ranks of each stage's first model replica
     weights = module_state(engine) if first_replica else None
     extra = {}
-    if exclude_frozen and units(engine) is None and first_replica and frozen_names(engine):
+    if exclude_frozen and not engine.state.units and first_replica and frozen_names(engine):
         extra["frozen_fingerprint"] = frozen_fingerprint(engine, weights)
         weights = {k: v for k, v in weights.items() if k not in set(frozen_names(engine))}
     if first_replica and engine.mesh.rank("tp") == 0:
@@ -104,20 +112,13 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             "loss_scaler": engine.loss_scaler.state_dict(),
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "client_state": client_state, "config": engine.config,
-            "layout": {"dp_world_size": engine.dp_world_size, "zero_stage": engine.zero_optimization_stage(),
-                       "precision": engine.policy.name, "tp_size": engine.mesh.size("tp"),
-                       "sp_size": engine.mesh.size("sp"), "pp_size": engine.mesh.size("pp")},
+            "optimizer_groups": _group_hyperparameters(engine), "layout": _layout(engine),
         }, staging / model_file(engine)))
-    if first_replica and not engine.sharded and engine.optimizer is not None:
-        written.append(write_file_atomically(optimizer_state_by_name(engine), staging / optim_file(engine)))
-    if engine.sharded and engine.optimizer is not None:
-        written.append(write_file_atomically(sharded_optimizer_state(engine),
-                                             staging / optim_shard_file(engine.global_rank)))
-        if not engine.state.placement.resident:
-            engine.state.placement.copy_files_to(staging / swap_dir(engine.global_rank))
-            written += describe_files(staging / swap_dir(engine.global_rank), staging)
-    if units(engine) is not None:
-        written.append(write_file_atomically(param_shards(engine), staging / param_shard_file(engine.global_rank)))
+    # stage 0: masters and optimizer state are replicated (the first replica saves them); stages 1-3: every
+    # rank saves its own slice; stage 3 also its weight shards
+    pieces = rank_pieces(engine, weights=bool(engine.state.units), optimizer=engine.sharded or first_replica)
+    if pieces["entries"] or pieces["scalars"]:
+        written.append(write_file_atomically(pieces, staging / shard_file(engine.global_rank)))
     residuals = compression_state(engine)
     if residuals:  # error-feedback buffers differ per rank: part of the training state
         written.append(write_file_atomically(residuals, staging / compression_file(engine.global_rank)))
@@ -134,72 +135,41 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
     comm.barrier()
 
 
-def _load_module(engine: Engine, saved: dict, directory: Path) -> None:
-    """Whole tensors from ``model_states.pt``; at stage 3 the partitioned ones from this rank's shard file
-    (both already checked against the model by ``_read_and_check``)."""
-    if units(engine) is None:
-        engine.module.load_state_dict(shard_state_dict(engine.module, saved["module"]), strict=False)
-        return
-    engine.module.load_state_dict(saved["module"], strict=False)
-    for unit, shards in zip(units(engine), saved["_param_shards"]["shards"]):
-        for segment, shard in zip(unit.segments, shards):
-            segment.overwrite_local(shard, notify=False)
-
-
-def _verify_before_loading(engine: Engine, directory: Path) -> None:
-    """Every file this rank will read matches the manifest -- checked on all ranks before any of them
-    touches its engine; one rank's damaged file is every rank's error (no rank is left waiting)."""
-    def verify() -> None:
-        manifest = read_manifest(directory)
-        verify_files(directory, [name for name in manifest if _read_by_this_rank(engine, name)], manifest)
-
-    _shared(engine, verify)
-
-
-def _read_by_this_rank(engine: Engine, name: str) -> bool:
-    rank = engine.global_rank
-    own = {model_file(engine), optim_file(engine), optim_shard_file(rank), param_shard_file(rank),
-           compression_file(rank), rng_file(rank)}
-    return name in own or name.startswith(swap_dir(rank) + "/")
+def _verify(engine: Engine, directory: Path, manifest: dict, names: list[str]) -> None:
+    verify_files(directory, [name for name in names if name in manifest], manifest)
 
 
 def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, load_module_strict: bool,
                            load_optimizer_states: bool, load_lr_scheduler_states: bool,
                            load_module_only: bool) -> tuple[str | None, dict | None]:
     """Verify, read and check everything first (on every rank, errors shared), then change the engine:
-    a checkpoint that does not fit is refused before a single weight is overwritten."""
+    a checkpoint that does not fit is refused before a single weight is overwritten. Any saved layout
+    loads at this one: each rank takes the pieces it now holds from whichever files hold them."""
     resolved = resolve_tag(load_dir, tag)
     if resolved is None:
         get_logger().warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)
         return None, None
     directory = tag_directory(load_dir, resolved)
-    if not (directory / model_file(engine)).is_file() and (directory / MODEL_FILE).is_file():
-        raise CheckpointError(f"{directory} was saved without pipeline stages; loading it with "
-                              f"{engine.mesh.size('pp')} stages is not supported yet")
-    _verify_before_loading(engine, directory)
     with_optimizer = load_optimizer_states and not load_module_only and engine.optimizer is not None
-    saved, optimizer_file = _shared(engine, lambda: _read_and_check(engine, directory, load_module_strict,
-                                                                    with_optimizer))
-    _load_module(engine, saved, directory)
+    saved, reader = _shared(engine, lambda: _read_and_check(engine, directory, load_module_strict,
+                                                                      with_optimizer))
+    frozen = set(frozen_names(engine)) if "frozen_fingerprint" in saved else set()
+    load_weights(engine, reader, skip=frozen)
     engine.state.reload_from_model()
     if load_module_only:
         return str(directory), saved["client_state"]
-    if optimizer_file is not None:
-        optimizer_saved, path = optimizer_file
-        whole = shard_state_dict(engine.module, saved["module"])  # this tp rank's part of every weight
-        if engine.sharded:
-            load_sharded_optimizer_state(engine, optimizer_saved, path, whole)
-        else:
-            load_optimizer_state_by_name(engine, optimizer_saved, whole)
+    if with_optimizer:
+        load_optimizer_state(engine, reader, saved.get("optimizer_groups"))
     if load_lr_scheduler_states and engine.lr_scheduler is not None and saved["lr_scheduler"] is not None:
         engine.lr_scheduler.load_state_dict(saved["lr_scheduler"])
     engine.loss_scaler.load_state_dict(saved["loss_scaler"])
     if compression_state(engine):
         path = directory / compression_file(engine.global_rank)
-        if path.is_file():
+        if path.is_file() and saved["layout"] == _layout(engine):
             load_compression_state(engine, read_file(path, "gradient compression residuals"))
         else:
-            get_logger().warning("%s not found (saved without compression): error feedback starts at zero", path)
+            get_logger().warning("%s: no error-feedback state saved for this rank at this layout: it starts at zero",
+                                 path)
     for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         setattr(engine, counter, saved[counter])
     rng_path = directory / rng_file(engine.global_rank)
@@ -226,82 +196,38 @@ def _shared(engine: Engine, work: Callable[[], Any]) -> Any:
     return result
 
 
-def _read_and_check(engine: Engine, directory: Path, strict: bool, with_optimizer: bool) -> tuple[dict, Any]:
-    """Read what this rank loads and refuse a mismatch (model, shapes, layout) before anything changes."""
-    path = directory / model_file(engine)
-    saved = read_file(path, "model states")
-    partitioned = units(engine)
-    saved_stage, stage = saved["layout"]["zero_stage"], engine.zero_optimization_stage()
-    if (partitioned is not None) != (saved_stage == 3):
-        raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading it at stage {stage} is not "
-                              "supported yet (the weights of a stage-3 run can be exported with save_16bit_model)")
-    if partitioned is None:
-        frozen = set()
-        if "frozen_fingerprint" in saved:
-            check_frozen_base(engine, saved, path)
-            frozen = set(frozen_names(engine))
-        _check_module_fits(engine, shard_state_dict(engine.module, saved["module"]), path, strict, skip=frozen)
-    else:
-        expected = set(module_state(engine))
-        if strict and set(saved["module"]) != expected:
-            raise CheckpointError(f"{path} does not fit this model: missing {sorted(expected - set(saved['module']))[:3]}"
-                                  f", unexpected {sorted(set(saved['module']) - expected)[:3]}")
-        shards_path = directory / param_shard_file(engine.global_rank)
-        shards = read_file(shards_path, "ZeRO-3 parameter shards")
-        if shards["layout"] != shard_layout(engine):
-            raise CheckpointError(f"{shards_path} covers different parameters or ranges than this model's ZeRO-3 "
-                                  "layout (saved on another number of data-parallel ranks, or another model)")
-        saved["_param_shards"] = shards
-    if not with_optimizer:
-        return saved, None
-    if (saved_stage == 0) != (stage == 0):
-        raise CheckpointError(f"{directory} was saved at ZeRO stage {saved_stage}; loading its optimizer state at "
-                              f"stage {stage} is not supported yet (load_module_only=True loads the weights)")
-    saved_tp = saved["layout"].get("tp_size", 1)
-    if saved_tp != engine.mesh.size("tp"):
-        raise CheckpointError(f"{directory} holds optimizer state for tensor-parallel size {saved_tp}; loading it "
-                              f"at size {engine.mesh.size('tp')} is not supported yet (load_module_only=True "
-                              "loads the weights, which are saved whole)")
-    saved_dp = saved["layout"]["dp_world_size"]
-    if engine.sharded and saved_dp != engine.dp_world_size:
-        raise CheckpointError(f"{directory} holds ZeRO optimizer shards for {saved_dp} data-parallel ranks; "
-                              f"loading them on {engine.dp_world_size} ranks is not supported yet (resume with "
-                              f"{saved_dp} ranks, or pass load_optimizer_states=False)")
-    if engine.sharded:
-        optimizer_path = directory / optim_shard_file(engine.global_rank)
-        optimizer_saved = read_file(optimizer_path, "optimizer shard")
-        if optimizer_saved["layout"] != shard_layout(engine):
-            raise CheckpointError(f"{optimizer_path} covers different parameters or ranges than this model's ZeRO layout")
-        if partitioned is not None and engine.state.separate and not optimizer_saved["fp32_master_shards"]:
-            raise CheckpointError(f"{optimizer_path} was saved in {saved['layout']['precision']}; loading its optimizer "
-                                  f"state into a {engine.policy.name} run at ZeRO stage 3 is not supported yet")
-    else:
-        optimizer_path = directory / optim_file(engine)
-        optimizer_saved = read_file(optimizer_path, "optimizer states")
-        order = position_names(engine)
-        saved_names = [n for group in optimizer_saved["param_groups"] for n in group["params"]]
-        if sorted(saved_names) != sorted(order):
-            missing = sorted(set(order) - set(saved_names))[:3]
-            extra = sorted(set(saved_names) - set(order))[:3]
-            raise CheckpointError(f"optimizer state in {optimizer_path} does not match this model's trainable "
-                                  f"parameters (missing: {missing}, unexpected: {extra})")
-    return saved, (optimizer_saved, optimizer_path)
+def _read_and_check(engine: Engine, directory: Path, strict: bool, with_optimizer: bool
+                    ) -> tuple[dict, PieceReader]:
+    """Read (mmap) and verify what this rank loads and refuse a mismatch (names, shapes, optimizer groups)
+    before anything changes. Every model file is read (a pipeline stage's names may sit in any of them);
+    of the rank files, only those holding pieces this rank needs are verified and used."""
+    manifest = read_manifest(directory)
+    model_files = sorted(name for name in manifest if MODEL_FILE_PATTERN.fullmatch(name))
+    if not model_files:
+        raise CheckpointError(f"{directory} has no model_states*.pt file listed in its manifest")
+    _verify(engine, directory, manifest, [*model_files, rng_file(engine.global_rank),
+                                          compression_file(engine.global_rank)])
+    models = {name: read_file(directory / name, "model states", mmap=True) for name in model_files}
+    saved = models.get(model_file(engine)) or models[model_files[0]]
+    whole = {key: value for content in models.values() for key, value in content["module"].items()}
+    rank_files = {}
+    for name in filter(SHARD_FILE_PATTERN.fullmatch, manifest):
+        try:
+            rank_files[name] = read_file(directory / name, "parameter pieces", mmap=True)
+        except CheckpointError:
+            _verify(engine, directory, manifest, [name])  # a damaged file says so
+            raise
+    reader = PieceReader(directory, whole, rank_files)
+    frozen = set()
+    if "frozen_fingerprint" in saved:
+        if engine.state.units:
+            raise CheckpointError(f"{directory} was saved without its frozen base; loading it at ZeRO stage 3 is not "
+                                  "supported yet (load it at stage 0-2, or save with exclude_frozen_parameters=False)")
+        check_frozen_base(engine, saved, directory / model_files[0])
+        frozen = set(frozen_names(engine))
+    needed = check_fits(engine, reader, strict=strict, skip=frozen, with_optimizer=with_optimizer,
+                        saved_groups=saved.get("optimizer_groups"))
+    _verify(engine, directory, manifest, sorted(reader.files_for(needed)))
+    return saved, reader
 
 
-def _check_module_fits(engine: Engine, saved: dict, path: Path, strict: bool, skip: set[str] = frozenset()) -> None:
-    """One line naming the first parameter or buffer whose name or shape does not match (dtypes are
-    converted: an fp32 checkpoint loads into a bf16 run). ``skip``: frozen weights saved as a fingerprint."""
-    live = engine.module.state_dict()
-    for name, tensor in live.items():
-        if name in skip:
-            continue
-        if name not in saved:
-            if strict:
-                raise CheckpointError(f"{path} does not fit this model: '{name}' is missing from the checkpoint")
-        elif tuple(saved[name].shape) != tuple(tensor.shape):
-            raise CheckpointError(f"{path} does not fit this model: '{name}' has shape {tuple(saved[name].shape)} in "
-                                  f"the checkpoint and {tuple(tensor.shape)} in the model")
-    unexpected = [name for name in saved if name not in live]
-    if strict and unexpected:
-        raise CheckpointError(f"{path} does not fit this model: '{unexpected[0]}' is in the checkpoint but not in "
-                              "the model")

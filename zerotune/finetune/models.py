@@ -150,8 +150,8 @@ def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: 
     every rank for the duration of the merge.
     """
     rank, model = engine.global_rank, engine.module
-    units = getattr(engine.state, "units", None)
-    if units is None:
+    units = engine.state.units  # stage 3's partitioned units (empty below)
+    if not units:
         return save_model(model, tokenizer, output_dir, merge=merge) if rank == 0 else []
     if not hasattr(model, "peft_config"):
         model_dir = output_dir / "model"

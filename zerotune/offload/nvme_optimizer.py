@@ -18,18 +18,16 @@ Resident memory is a few chunks whatever the model size: ``buffer_count`` buffer
 
 from __future__ import annotations
 
-import shutil
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import torch
 
 from zerotune.offload.buffers import BufferPool
 from zerotune.offload.cpu_step import step_threads
+from zerotune.offload.master_placement import MasterPlacement, ShardWriter
 from zerotune.offload.swap_files import SwapFileError, SwapHandle, SwapStore
-from zerotune.zero.master_placement import MasterPlacement, ShardWriter
 
 _EMPTY = torch.empty(0, dtype=torch.float32)
 _ALIGN = 64
@@ -211,29 +209,42 @@ class NvmePlacement(MasterPlacement):
         return handles, list(buffers.values()), written
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def files(self) -> list[str]:
-        return [f"{c.name}_{key}" for c in self.chunks for key in ["master", *self.state_keys]]
+    def read_master(self, index: int, master: torch.nn.Parameter, optimizer: torch.optim.Optimizer
+                    ) -> tuple[torch.Tensor, dict]:
+        """Master ``index`` and its state, read from its chunks' files (one master in memory at a time)."""
+        chunks = [c for c in self.chunks if c.master == index]
+        numel = chunks[-1].hi if chunks else 0
+        keys = ["master", *(self.state_keys if chunks and chunks[0].has_state else [])]
+        read = {key: torch.empty(numel, dtype=torch.float32) for key in keys}
+        for chunk in chunks:
+            if chunk.numel:
+                for key in keys:
+                    self.store.read(f"{chunk.name}_{key}", read[key][chunk.lo:chunk.hi]).wait()
+        scalars = dict(optimizer.state.get(chunks[0].proxy, {})) if chunks and chunks[0].has_state else {}
+        return read.pop("master"), {**scalars, **read}
 
-    def copy_files_to(self, directory: Path) -> None:
-        """Copy every swap file into ``directory`` (a checkpoint), checking each first."""
-        directory.mkdir(parents=True, exist_ok=True)
-        for name in self.files():
-            self.store.verify(name)
-            shutil.copyfile(self.store.path(name), directory / self.store.path(name).name)
-
-    def copy_files_from(self, directory: Path, state_keys: list[str]) -> None:
-        self.state_keys = list(state_keys)
-        for chunk in self.chunks:
-            chunk.has_state = bool(state_keys)
-        for name in self.files():
-            source = directory / self.store.path(name).name
-            if not source.is_file():
-                raise SwapFileError(f"checkpoint swap file {source} is missing")
-            if name not in self._allocated:
-                chunk = next(c for c in self.chunks if name.startswith(c.name + "_"))
-                self._allocate(name, chunk.numel)
-            shutil.copyfile(source, self.store.path(name))
-            self.store.verify(name)
+    def write_master(self, index: int, master: torch.nn.Parameter, optimizer: torch.optim.Optimizer,
+                     values: torch.Tensor, state: dict) -> None:
+        """Write master ``index`` and its state into its chunks' files; the proxies keep the scalars."""
+        tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        if tensors and self.state_keys and sorted(tensors) != self.state_keys:
+            raise ValueError(f"optimizer state keys {sorted(tensors)} differ from the swapped ones {self.state_keys}")
+        if tensors:
+            self.state_keys = sorted(tensors)
+        scalars = {k: v for k, v in state.items() if k not in tensors}
+        for chunk in (c for c in self.chunks if c.master == index):
+            for key, source in [("master", values), *tensors.items()]:
+                name = f"{chunk.name}_{key}"
+                if name not in self._allocated:
+                    self._allocate(name, chunk.numel)
+                if chunk.numel:
+                    self.store.write(name, source.reshape(-1)[chunk.lo:chunk.hi].float().contiguous()).wait()
+            chunk.has_state = bool(tensors)
+            if tensors:  # each proxy its own scalars: optimizers count steps in place
+                optimizer.state[chunk.proxy] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                for k, v in scalars.items()}
+            else:
+                optimizer.state.pop(chunk.proxy, None)
 
     def grad_bytes(self) -> int:
         return 0

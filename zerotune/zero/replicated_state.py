@@ -13,10 +13,11 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import MasterWeights, PrecisionPolicy
-from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.allreduce_sync import AllReduceGradSync
 from zerotune.zero.grad_norm import global_grad_norm
+from zerotune.zero.held import HeldPiece
 
 
 class ReplicatedState:
@@ -40,6 +41,16 @@ class ReplicatedState:
     @property
     def masters(self) -> list[torch.nn.Parameter]:
         return self.weights.masters
+
+    units: list = []
+    """No partitioned units below stage 3."""
+
+    def master_pieces(self) -> list[list[HeldPiece]]:
+        """Master i is the whole of trainable parameter i."""
+        return [[HeldPiece(p, 0, 0, p.numel())] for p in self.params]
+
+    def weight_pieces(self) -> list:
+        return []  # the weights are whole in the module
 
     def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
         """The user's param groups with each trainable parameter replaced by its master."""

@@ -22,10 +22,11 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
+from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.flat_params import FlatParamGroup
 from zerotune.zero.grad_norm import global_grad_norm
-from zerotune.zero.master_placement import MasterPlacement
+from zerotune.zero.held import HeldPiece, layout_pieces
 from zerotune.zero.partition import FlatLayout, flat_layout
 
 
@@ -87,6 +88,16 @@ class ShardedState:
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for fg in self.flat_groups for p in fg.params]
+
+    units: list = []
+    """No partitioned units below stage 3."""
+
+    def master_pieces(self) -> list[list[HeldPiece]]:
+        """Master g is this rank's slice of param group g's flat buffer."""
+        return [layout_pieces(fg.params, fg.layout, *fg.layout.owned_range(fg.rank)) for fg in self.flat_groups]
+
+    def weight_pieces(self) -> list:
+        return []  # the weights are whole in the module
 
     def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
         """The user's param groups (hyperparameters kept) with their master shard as the only parameter."""

@@ -17,10 +17,12 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
+from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
-from zerotune.zero.master_placement import MasterPlacement
 from zerotune.zero.grad_norm import global_grad_norm
+from zerotune.zero.held import HeldPiece, layout_pieces
 from zerotune.zero.stage3.schedule import UnitScheduler
+from zerotune.zero.stage3.segment import FlatSegment
 from zerotune.zero.stage3.unit import ParamUnit
 
 
@@ -116,6 +118,23 @@ class Stage3State:
     @property
     def params(self) -> list[torch.nn.Parameter]:
         return [p for group in self._groups for p in group]
+
+    def master_pieces(self) -> list[list[HeldPiece]]:
+        """Master i is ``[lo, hi)`` of this rank's shard of its unit's trainable segment (or empty)."""
+        pieces = []
+        for _, unit, lo, hi in self._slots:
+            if unit is None:
+                pieces.append([])
+                continue
+            segment = unit.trainable
+            start = segment.layout.owned_range(segment.rank)[0]
+            pieces.append(layout_pieces(segment.params, segment.layout, start + lo, start + hi))
+        return pieces
+
+    def weight_pieces(self) -> list[tuple[FlatSegment, list[HeldPiece]]]:
+        """Every segment (trainable and frozen) with the parameter parts in this rank's shard of it."""
+        return [(segment, layout_pieces(segment.params, segment.layout, *segment.layout.owned_range(segment.rank)))
+                for unit in self.units for segment in unit.segments]
 
     def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
         """The user's param groups (hyperparameters kept) with this rank's master slices as parameters."""

@@ -16,7 +16,6 @@ import torch
 
 from zerotune.offload.cpu_step import step_threads
 
-
 ShardWriter = Callable[[int, torch.Tensor], None]
 """``writer(lo, values)``: write ``values`` at offset ``lo`` of the model shard a master rounds into."""
 
@@ -70,6 +69,22 @@ class MasterPlacement:
         master = torch.empty(tensor.shape, dtype=torch.float32, device=device,
                              pin_memory=self.pin_memory and device.type == "cpu" and torch.cuda.is_available())
         return master.copy_(tensor)
+
+    # ---- checkpoints: one master's values and optimizer state, wherever they live -----------
+    def read_master(self, index: int, master: torch.nn.Parameter, optimizer: torch.optim.Optimizer
+                    ) -> tuple[torch.Tensor, dict]:
+        """Master ``index``'s fp32 values and its optimizer state (tensors of its shape, and scalars)."""
+        return master.detach(), dict(optimizer.state.get(master, {}))
+
+    @torch.no_grad()
+    def write_master(self, index: int, master: torch.nn.Parameter, optimizer: torch.optim.Optimizer,
+                     values: torch.Tensor, state: dict) -> None:
+        """Overwrite master ``index`` and replace its optimizer state (``state`` as ``read_master`` gives it)."""
+        master.copy_(values.view(master.shape))
+        if state:
+            optimizer.state[master] = {key: _placed(value, master, optimizer) for key, value in state.items()}
+        else:
+            optimizer.state.pop(master, None)
 
     streams_grads = False
     """True: ``step_grads`` may hand over gradients in the model dtype, converted chunk by chunk in the step."""
@@ -134,3 +149,15 @@ class MasterPlacement:
 
     def grad_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self._grads.values(), *self._staging])
+
+
+def _placed(value: object, param: torch.nn.Parameter, optimizer: torch.optim.Optimizer) -> object:
+    """An optimizer state value where the optimizer expects it: per-element state with the parameter; a
+    scalar ``step`` on the host unless the group is fused or capturable (torch's own convention)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() > 0:
+        return value.reshape(param.shape).to(param.device)
+    group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
+    on_device = group.get("fused") or group.get("capturable")
+    return value.to(param.device if on_device else "cpu", copy=True)  # its own: optimizers count steps in place

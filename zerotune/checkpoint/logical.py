@@ -1,0 +1,291 @@
+"""Checkpoint state that does not depend on the layout: each rank saves the pieces it holds, by name.
+
+A rank's file ``shard_rank{r}.pt`` lists, for every piece of a parameter the rank holds (see
+``zero/held.py``): the parameter's name, its full logical shape, the tensor-parallel piece the rank
+trains (if any), the flat range ``[start, stop)`` of that piece, and what the values are -- the
+weights (stage 3: they are partitioned), the fp32 masters (mixed precision) or one optimizer state
+tensor (``optim.exp_avg``, ...). Scalars of the optimizer state (Adam's ``step``) are kept per name.
+Whole weights of the unpartitioned stages stay in ``model_states*.pt`` (keyed by name, tp joined).
+
+Loading at any other layout is then a lookup: every rank asks, for each piece *it* holds now, for
+the values of that range, and ``PieceReader`` assembles them from whichever files hold them. Files
+are opened with ``mmap`` (``torch.load(weights_only=True)``), so a rank reads the bytes of the pieces
+it needs and holds at most its own share plus one whole tensor (the one being cut) in memory.
+Why not ``torch.distributed.checkpoint``: see docs/architecture.md ("Checkpoint layout").
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+
+from zerotune.checkpoint.atomic import CheckpointError
+from zerotune.parallel.tensor.layout import (
+    TPLayout,
+    shard_tensor,
+    tp_layout_of,
+    unshard_tensor,
+)
+from zerotune.parallel.tensor.state_dict import full_shape
+from zerotune.zero.stage3.sharded_param import sharded_param_of
+
+if TYPE_CHECKING:
+    from zerotune.engine import Engine
+
+WEIGHT, MASTER, OPTIM = "weight", "master", "optim."
+
+
+SHARD_FILE_PATTERN = re.compile(r"shard_rank\d+\.pt")
+
+
+def shard_file(rank: int) -> str:
+    return f"shard_rank{rank}.pt"
+
+
+def _tp_of(param: torch.Tensor) -> list[int] | None:
+    layout = tp_layout_of(param)
+    return None if layout is None else [layout.dim, layout.world, layout.rank, layout.full_size, layout.parts]
+
+
+def rank_pieces(engine: Engine, *, weights: bool, optimizer: bool) -> dict:
+    """This rank's held pieces: ``weights`` the partitioned weights (stage 3), ``optimizer`` the fp32 masters
+    (mixed precision) and the optimizer state. A dict of tensors, numbers and strings (``weights_only``)."""
+    names, state = engine.param_names, engine.state
+    entries: list[dict] = []
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict] = {}
+
+    def add(param: torch.nn.Parameter, kind: str, offset: int, param_offset: int, length: int,
+            holder: torch.Tensor) -> None:
+        key = f"t{len(entries)}"
+        tensors[key] = holder.detach().reshape(-1)[offset:offset + length].to("cpu", copy=True)
+        entries.append({"key": key, "name": names[id(param)], "kind": kind, "shape": list(full_shape(param)),
+                        "tp": _tp_of(param), "start": param_offset, "stop": param_offset + length})
+
+    if weights:
+        for segment, pieces in state.weight_pieces():
+            local = segment.read_local()
+            for piece in pieces:
+                add(piece.param, WEIGHT, piece.offset, piece.param_offset, piece.length, local)
+    if optimizer and engine.optimizer is not None:
+        for index, (master, pieces) in enumerate(zip(state.masters, state.master_pieces())):
+            if not pieces:
+                continue
+            values, optimizer_state = state.placement.read_master(index, master, engine.optimizer)
+            per_element = {}
+            for key, value in optimizer_state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    if value.numel() != values.numel():
+                        raise CheckpointError(f"optimizer state '{key}' has {value.numel()} elements for a parameter "
+                                              f"shard of {values.numel()}: only per-element optimizer state (Adam, "
+                                              "SGD, Adagrad, Lamb) can be saved by parameter name")
+                    per_element[key] = value
+            others = {k: v for k, v in optimizer_state.items() if k not in per_element}
+            for piece in pieces:
+                if engine.policy.mixed:
+                    add(piece.param, MASTER, piece.offset, piece.param_offset, piece.length, values)
+                for key, value in per_element.items():
+                    add(piece.param, OPTIM + key, piece.offset, piece.param_offset, piece.length, value)
+                if others:
+                    scalars[names[id(piece.param)]] = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                                                       for k, v in others.items()}
+    return {"entries": entries, "scalars": scalars, "tensors": tensors}
+
+
+class PieceReader:
+    """The values of any range of any parameter, assembled from the rank files and whole weights that hold them.
+
+    ``whole``: name -> full tensor (``model_states*.pt``, mmap'd); ``files``: file name -> a loaded rank
+    file (mmap'd). The last assembled tensor is cached: consecutive pieces of one parameter cost one read.
+    """
+
+    def __init__(self, directory: Path, whole: dict[str, torch.Tensor], files: dict[str, dict]) -> None:
+        self.directory = directory
+        self.whole = whole
+        self.index: dict[tuple[str, str], list[tuple[str, dict]]] = {}
+        self.scalars: dict[str, dict] = {}
+        self.files = files
+        for file, content in files.items():
+            for entry in content["entries"]:
+                self.index.setdefault((entry["name"], entry["kind"]), []).append((file, entry))
+            self.scalars.update(content["scalars"])
+        self._cache: tuple[tuple, torch.Tensor] | None = None
+
+    def names(self) -> set[str]:
+        return set(self.whole) | {name for name, _ in self.index}
+
+    def has(self, name: str, kind: str) -> bool:
+        return (kind == WEIGHT and name in self.whole) or (name, kind) in self.index
+
+    def optimizer_keys(self, name: str) -> list[str]:
+        return sorted(kind[len(OPTIM):] for n, kind in self.index if n == name and kind.startswith(OPTIM))
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        if name in self.whole:
+            return tuple(self.whole[name].shape)
+        for (n, _), found in self.index.items():
+            if n == name:
+                return tuple(found[0][1]["shape"])
+        return None
+
+    def files_for(self, wanted: Iterable[tuple[str, str]]) -> set[str]:
+        return {file for key in wanted for file, _ in self.index.get(key, [])}
+
+    def local(self, name: str, kind: str, param: torch.Tensor) -> torch.Tensor:
+        """The flattened values of ``param``'s tensor-parallel piece (the whole tensor without tp) of ``kind``."""
+        target = tp_layout_of(param)
+        cache_key = (name, kind, _tp_of(param) and tuple(_tp_of(param)))
+        if self._cache is not None and self._cache[0] == cache_key:
+            return self._cache[1]
+        if kind == WEIGHT and name in self.whole:
+            full = self.whole[name]
+            values = (shard_tensor(full, target) if target is not None else full).reshape(-1)
+        else:
+            found = self.index.get((name, kind))
+            if not found:
+                raise CheckpointError(f"{self.directory} has no {kind} values for '{name}'")
+            if all(entry["tp"] == _tp_of(param) for _, entry in found):  # saved with this very tp piece
+                values = self._assemble(name, kind, found, param.numel())
+            else:
+                full = self._full(name, kind, found)
+                values = (shard_tensor(full, target) if target is not None else full).reshape(-1)
+        self._cache = (cache_key, values)
+        return values
+
+    def _assemble(self, name: str, kind: str, found: list[tuple[str, dict]], numel: int) -> torch.Tensor:
+        first = self.files[found[0][0]]["tensors"][found[0][1]["key"]]
+        out = torch.empty(numel, dtype=first.dtype)
+        covered = torch.zeros(numel, dtype=torch.bool)
+        for file, entry in found:
+            out[entry["start"]:entry["stop"]] = self.files[file]["tensors"][entry["key"]]
+            covered[entry["start"]:entry["stop"]] = True
+        if not bool(covered.all()):
+            raise CheckpointError(f"{self.directory} holds only part of '{name}' ({kind}): the files of some ranks are "
+                                  "missing from the checkpoint")
+        return out
+
+    def _full(self, name: str, kind: str, found: list[tuple[str, dict]]) -> torch.Tensor:
+        shape = list(found[0][1]["shape"])
+        numel = torch.Size(shape).numel()
+        replicated = [item for item in found if item[1]["tp"] is None]
+        if replicated:
+            return self._assemble(name, kind, replicated, numel).view(shape)
+        dim, world, _, full_size, parts = found[0][1]["tp"]
+        local_shape = list(shape)
+        local_shape[dim % len(shape)] = full_size // world
+        shards = [self._assemble(name, kind, [item for item in found if item[1]["tp"][2] == rank],
+                                 torch.Size(local_shape).numel()).view(local_shape) for rank in range(world)]
+        return unshard_tensor(shards, TPLayout(dim, world, 0, full_size, parts))
+
+
+# ---- an engine against a reader: check first, then load -------------------------------------
+def _module_entries(engine: Engine, skip: set[str]) -> list[tuple[str, str, torch.Tensor]]:
+    """``(state-dict key, name to look up, live tensor)`` of the module; a tied weight's second key looks up
+    the name its parameter was saved under."""
+    entries = []
+    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+        if key not in skip:
+            entries.append((key, engine.param_names.get(id(tensor), key), tensor))
+    return entries
+
+
+def _weight_kind(reader: PieceReader, name: str, param: torch.Tensor) -> str:
+    """fp32 weights come from the fp32 masters when the checkpoint has them (a bf16 run resumed in fp32)."""
+    return MASTER if param.dtype == torch.float32 and reader.has(name, MASTER) else WEIGHT
+
+
+def _lookup(reader: PieceReader, key: str, name: str) -> str:
+    return key if reader.has(key, WEIGHT) or reader.has(key, MASTER) else name
+
+
+def check_fits(engine: Engine, reader: PieceReader, *, strict: bool, skip: set[str], with_optimizer: bool,
+               saved_groups: list | None) -> list[tuple[str, str]]:
+    """Refuse a checkpoint that does not fit this engine -- one line naming the first parameter whose name or
+    shape does not match -- and return the ``(name, kind)`` pieces this rank will read."""
+    needed: list[tuple[str, str]] = []
+    known: set[str] = set()
+    for key, name, tensor in _module_entries(engine, skip):
+        known.update((key, name))
+        found = _lookup(reader, key, name)
+        shape = reader.shape(found)
+        if shape is None:
+            if strict:
+                raise CheckpointError(f"{reader.directory} does not fit this model: '{key}' is missing from the "
+                                      "checkpoint")
+            continue
+        if shape != tuple(full_shape(tensor)):
+            raise CheckpointError(f"{reader.directory} does not fit this model: '{key}' has shape {shape} in the "
+                                  f"checkpoint and {tuple(full_shape(tensor))} in the model")
+        needed.append((found, _weight_kind(reader, found, tensor)))
+    if strict and engine.mesh.size("pp") == 1:  # (a pipeline stage holds only its own layers)
+        unexpected = sorted(reader.names() - known - set(skip))
+        if unexpected:
+            raise CheckpointError(f"{reader.directory} does not fit this model: '{unexpected[0]}' is in the "
+                                  "checkpoint but not in the model")
+    if with_optimizer:
+        groups = engine.optimizer.param_groups
+        if saved_groups is not None and len(saved_groups) != len(groups):
+            raise CheckpointError(f"{reader.directory} holds {len(saved_groups)} optimizer parameter groups; this "
+                                  f"run has {len(groups)} (load_optimizer_states=False loads the weights only)")
+        any_state = any(kind.startswith(OPTIM) for _, kind in reader.index)
+        for pieces in engine.state.master_pieces():
+            for piece in pieces:
+                name = engine.param_names[id(piece.param)]
+                keys = reader.optimizer_keys(name)
+                if any_state and not keys:
+                    raise CheckpointError(f"{reader.directory} has no optimizer state for '{name}' (saved with "
+                                          "another model, or with that parameter frozen)")
+                needed += [(name, _weight_kind(reader, name, torch.empty(0)))] + [(name, OPTIM + k) for k in keys]
+    return needed
+
+
+@torch.no_grad()
+def load_weights(engine: Engine, reader: PieceReader, skip: set[str] = frozenset()) -> None:
+    """Every weight and buffer of this rank, at its layout (checked by ``check_fits``)."""
+    for segment, pieces in engine.state.weight_pieces():  # stage 3: this rank's shard of each segment
+        local = segment.read_local()
+        for piece in pieces:
+            name = engine.param_names[id(piece.param)]
+            if name in skip or reader.shape(name) is None:
+                continue
+            values = reader.local(name, _weight_kind(reader, name, piece.param), piece.param)
+            local[piece.offset:piece.offset + piece.length] = values[piece.param_offset:piece.param_offset + piece.length]
+        segment.overwrite_local(local, notify=False)
+    for key, name, tensor in _module_entries(engine, skip):
+        found = _lookup(reader, key, name)
+        if sharded_param_of(tensor) is not None or reader.shape(found) is None:
+            continue
+        tensor.data.copy_(reader.local(found, _weight_kind(reader, found, tensor), tensor).view(tensor.shape))
+
+
+@torch.no_grad()
+def load_optimizer_state(engine: Engine, reader: PieceReader, saved_groups: list | None) -> None:
+    """The fp32 masters (from the saved masters, or the weights of an fp32 checkpoint) and the optimizer state
+    of every master this rank holds, then the groups' settings."""
+    state, optimizer = engine.state, engine.optimizer
+    for index, (master, pieces) in enumerate(zip(state.masters, state.master_pieces())):
+        if not pieces:
+            continue
+        current, _ = state.placement.read_master(index, master, optimizer)
+        values = current.detach().reshape(-1).clone()  # (keeps the padding of the last rank's slice)
+        for piece in pieces:
+            name = engine.param_names[id(piece.param)]
+            source = reader.local(name, _weight_kind(reader, name, values), piece.param)
+            values[piece.offset:piece.offset + piece.length] = source[piece.param_offset:piece.param_offset + piece.length]
+        first = engine.param_names[id(pieces[0].param)]
+        optimizer_state = dict(reader.scalars.get(first, {}))
+        for key in reader.optimizer_keys(first):
+            tensor = torch.zeros_like(values)
+            for piece in pieces:
+                source = reader.local(engine.param_names[id(piece.param)], OPTIM + key, piece.param)
+                tensor[piece.offset:piece.offset + piece.length] = \
+                    source[piece.param_offset:piece.param_offset + piece.length]
+            optimizer_state[key] = tensor
+        if not reader.optimizer_keys(first):
+            optimizer_state = {}
+        state.placement.write_master(index, master, optimizer, values, optimizer_state)
+    for group, saved in zip(optimizer.param_groups, saved_groups or []):
+        group.update({k: v for k, v in saved.items() if k != "params"})
