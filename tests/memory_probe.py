@@ -44,14 +44,19 @@ class PeakTensorBytes:
     ended; ``live_at_exit = allocated - freed``.
     """
 
-    def __init__(self) -> None:
-        self.peak = self.allocated = self.freed = 0
+    def __init__(self, exclude_mapped_files: bool = False) -> None:
+        """``exclude_mapped_files``: leave out storages memory-mapped from files (``torch.load(mmap=True)``):
+        the OS pages them in on use and can drop them again, so they are not allocated memory (``mapped``
+        counts them instead). Needs Python stacks in the trace, which costs time."""
+        self.peak = self.allocated = self.freed = self.mapped = 0
         self.peak_by_device: dict[str, int] = {}
         self._profiler: profile | None = None
+        self._exclude_mapped = exclude_mapped_files
 
     def __enter__(self) -> PeakTensorBytes:
         # CPU activity only: the allocator hooks report CUDA allocations too, without CUPTI's cost.
-        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        self._profiler = profile(activities=[ProfilerActivity.CPU], profile_memory=True,
+                                 with_stack=self._exclude_mapped)
         self._profiler.__enter__()
         return self
 
@@ -61,7 +66,9 @@ class PeakTensorBytes:
         # The raw event tree: prof.events() would attribute allocations made inside an op to that
         # op and show only the others as "[memory]" rows, losing the per-allocation sizes.
         tree = profiler.profiler.kineto_results.experimental_event_tree()
-        self._replay(sorted(_allocation_events(tree), key=lambda event: event.start_time_ns))
+        events = list(_allocation_events(tree, self._exclude_mapped))
+        self.mapped = sum(event.extra_fields.alloc_size for event, mapped in events if mapped)
+        self._replay(sorted((event for event, mapped in events if not mapped), key=lambda event: event.start_time_ns))
 
     @property
     def live_at_exit(self) -> int:
@@ -113,14 +120,15 @@ def saved_for_backward(params: Iterable[torch.Tensor]) -> Iterator[dict[int, int
         yield storages
 
 
-def _allocation_events(roots: Iterable) -> Iterator:
-    """Allocation events in pre-order (each thread's in the order they happened: ties keep it)."""
-    stack = list(reversed(list(roots)))
+def _allocation_events(roots: Iterable, find_mapped: bool = False) -> Iterator[tuple]:
+    """``(allocation event, made by a file mapping)`` in pre-order (each thread's in the order they happened)."""
+    stack = [(event, False) for event in reversed(list(roots))]
     while stack:
-        event = stack.pop()
+        event, mapped = stack.pop()
+        mapped = mapped or (find_mapped and "from_file" in event.name)
         if event.tag == _EventType.Allocation:
-            yield event
-        stack.extend(reversed(event.children))
+            yield event, mapped
+        stack.extend((child, mapped) for child in reversed(event.children))
 
 
 def _mib(n: int) -> str:

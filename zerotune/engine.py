@@ -35,10 +35,8 @@ from zerotune.monitor.writers import ScalarWriters
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
 from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler
 from zerotune.precision.policy import PrecisionPolicy
-from zerotune.zero.replicated_state import ReplicatedState
-from zerotune.zero.sharded_state import ShardedState
+from zerotune.zero.contracts import ZeroState
 from zerotune.zero.stage3.saving import iter_consolidated, save_consolidated
-from zerotune.zero.stage3.state import Stage3State
 
 
 def _map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -69,7 +67,7 @@ class Engine(EngineQueries, torch.nn.Module):
     """Wraps a model for data-parallel training; see the module docstring for one step's phases."""
 
     def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,
-                 policy: PrecisionPolicy, state: ReplicatedState | ShardedState | Stage3State,
+                 policy: PrecisionPolicy, state: ZeroState,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
                  training_dataloader: Any = None, compressor: TopKCompressor | None = None,

@@ -1,0 +1,76 @@
+"""The interfaces the engine and the checkpoint code rely on, declared once.
+
+Three objects make up a ZeRO stage: a *gradient sync* (how gradients of a micro-step are reduced),
+a *state* (masters, optimizer groups and the step phases) and a *master placement* (where the fp32
+masters and optimizer state live). Every stage implements the same three contracts, so the engine
+runs one step recipe and a checkpoint saves and loads any stage the same way; nothing outside a
+stage reads its internals (flat groups, units, segments). ``tests/test_zero_contracts.py`` checks
+that each implementation provides them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import torch
+
+from zerotune.zero.held import HeldPiece
+
+
+@runtime_checkable
+class GradSync(Protocol):
+    """Reduces the gradients of each micro-step; one per stage (all-reduce, reduce at the boundary,
+    bucketed reduce-scatter, per-unit reduce-scatter)."""
+
+    def begin_micro_step(self, is_boundary: bool) -> None: ...
+    def finish(self) -> None: ...
+    def zero_grad(self) -> None: ...
+    def grad_bytes(self) -> int: ...
+    def buffer_bytes(self) -> int: ...
+    def remove_hooks(self) -> None: ...
+
+
+@runtime_checkable
+class MasterPlacement(Protocol):
+    """Where the fp32 masters and the optimizer state live (with the parameters, host memory, NVMe files)."""
+
+    resident: bool
+    streams_grads: bool
+
+    def optimizer_params(self, master_index: int, master: torch.nn.Parameter) -> list[torch.nn.Parameter]: ...
+    def attach(self, masters: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor],
+               coefficient: float) -> None: ...
+    def step(self, optimizer: torch.optim.Optimizer) -> None: ...
+    def read_master(self, index: int, master: torch.nn.Parameter, optimizer: torch.optim.Optimizer
+                    ) -> tuple[torch.Tensor, dict]: ...
+    def write_master(self, index: int, master: torch.nn.Parameter, optimizer: torch.optim.Optimizer,
+                     values: torch.Tensor, state: dict) -> None: ...
+    def grad_bytes(self) -> int: ...
+
+
+@runtime_checkable
+class ZeroState(Protocol):
+    """Masters, optimizer groups and the step phases of one ZeRO stage, as the engine uses them."""
+
+    grad_sync: Any
+    placement: Any
+    masters: list[torch.nn.Parameter]
+    units: list
+    """Stage 3's partitioned units (empty below stage 3)."""
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]: ...
+    def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]: ...
+    def step_grads(self) -> list[torch.Tensor]: ...
+    def grad_norm(self, grads: Sequence[torch.Tensor]) -> float: ...
+    def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None: ...
+    def update_model(self) -> None: ...
+    def reload_from_model(self) -> None: ...
+    def first_nonfinite_param(self, names: dict[int, str]) -> str: ...
+    def master_bytes(self) -> int: ...
+    def partitioned_param_bytes(self) -> int: ...
+    def zero_grad(self) -> None: ...
+    def master_pieces(self) -> list[list[HeldPiece]]:
+        """Per master (in ``masters`` order), the parameter parts it holds: what a checkpoint saves by name."""
+    def weight_pieces(self) -> list[tuple[Any, list[HeldPiece]]]:
+        """Per partitioned weight shard (stage 3), the shard's holder and the parameter parts in it."""
