@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import zerotune
 from tests.harness import run_distributed

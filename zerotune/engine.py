@@ -240,7 +240,7 @@ class Engine(EngineQueries, torch.nn.Module):
             self.state.placement.step(self.optimizer)
             self.state.update_model()
             if getattr(self.optimizer, "takes_local_gradients", False):  # OneBitAdam after its warm-up
-                self.grad_sync.local_only = True
+                self.grad_sync.use_local_gradients(True)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
         scale_before = self.loss_scaler.loss_scale

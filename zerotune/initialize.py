@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
 
 from zerotune.config import ConfigError, NotSupportedYetError, assert_implemented, load_config, resolve_config
 from zerotune.distributed import comm
-from zerotune.distributed.compression import TopKCompressor
 from zerotune.distributed.env import DEFAULT_PORT, init_distributed
-from zerotune.distributed.mesh import ProcessMesh, build_mesh
+from zerotune.distributed.mesh import build_mesh
 from zerotune.engine import Engine
 from zerotune.engine_data import build_dataloader
 from zerotune.monitor.logging import log_rank0
@@ -35,21 +32,9 @@ from zerotune.optim.onebit_adam import OneBitAdam
 from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import policy_from_flags
-from zerotune.zero.allreduce_sync import AllReduceGradSync
-from zerotune.offload.cpu_step import cpu_step_threads
-from zerotune.offload.nvme_optimizer import NvmePlacement
-from zerotune.offload.buffers import BufferPool as SwapBufferPool
-from zerotune.offload.swap_files import AioSettings, SwapStore
-from zerotune.offload.master_placement import MasterPlacement
+from zerotune.zero.build import build_zero_state, gradient_compressor
 from zerotune.zero.replicated_state import ReplicatedState
-from zerotune.zero.sharded_state import ShardedState
-from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync
-from zerotune.zero.stage2_sync import BucketedReduceGradSync
-from zerotune.zero.stage3.schedule import UnitScheduler
 from zerotune.zero.stage3.sharded_param import sharded_param_of
-from zerotune.zero.stage3.state import Stage3State
-from zerotune.zero.stage3.unit import BufferPool
-from zerotune.zero.stage3.wrap import partition_model
 
 IMPLEMENTED_ZERO_STAGES = (0, 1, 2, 3)
 
@@ -158,107 +143,8 @@ def _build_optimizer(raw_optimizer: Any, client: Any, master_groups: list[dict])
     return None
 
 
-def _build_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Parameter], policy: Any,
-                 mesh: ProcessMesh, model: torch.nn.Module) -> ReplicatedState | ShardedState | Stage3State:
-    """Masters (full or sharded) and the stage's gradient sync; the model is cast to its dtype in between.
-
-    Masters are taken from the fp32 parameters before the cast, so they carry no rounding error.
-    """
-    zero = cfg.zero_optimization
-    group = mesh.group("dp_sp")  # the ranks holding the same parameters: gradients are averaged, ZeRO shards over them
-    predivide = _predivide_factor(cfg, mesh)
-    if zero.stage == 0:
-        state = ReplicatedState(trainable, policy, grad_sync=None)
-        model.to(policy.param_dtype)
-        state.grad_sync = AllReduceGradSync(trainable, group, bucket_numel=int(zero.reduce_bucket_size),
-                                            device=trainable[0].device if trainable else torch.device("cpu"),
-                                            predivide_factor=predivide)
-        return state
-    chosen = {id(p) for p in trainable}
-    group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
-    placement = _master_placement(cfg, _global_rank())
-    if zero.stage == 3:
-        return _build_stage3_state(zero, group_params, policy, group, model, predivide, placement,
-                                   rank=_global_rank(), aio=AioSettings.from_config(cfg.aio))
-    state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size),
-                         placement=placement)
-    model.to(policy.param_dtype)  # the flat parameters are already in this dtype; frozen ones and buffers follow
-    if zero.stage == 1:
-        state.grad_sync = ReduceAtBoundaryGradSync(state.flat_groups, group, bucket_numel=int(zero.reduce_bucket_size),
-                                                   predivide_factor=predivide)
-    else:
-        position = {id(p): i for i, p in enumerate(trainable)}
-        state.grad_sync = BucketedReduceGradSync(state.flat_groups, group, bucket_numel=int(zero.reduce_bucket_size),
-                                                 position=position, predivide_factor=predivide,
-                                                 max_in_flight=2 if zero.overlap_comm else 0)
-        state.stage_grads_during_backward()
-    return state
-
-
-def _local_world_size() -> int:
-    """Ranks on this machine (torchrun's LOCAL_WORLD_SIZE; else assume all ranks are local)."""
-    local = os.environ.get("LOCAL_WORLD_SIZE")
-    if local and local.isdigit():
-        return int(local)
-    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-
-
 def _global_rank() -> int:
     return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-
-
-def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
-    """``offload_optimizer``: fp32 masters and optimizer state in host memory (ZeRO-Offload) or in
-    swap files under ``nvme_path`` (ZeRO-Infinity), one directory per rank."""
-    zero = cfg.zero_optimization
-    offload = zero.offload_optimizer
-    if offload.device == "none":  # with parameters on NVMe, masters cannot be views of their shards
-        return MasterPlacement(always_separate=zero.offload_param.device == "nvme")
-    if zero.stage == 0:
-        raise ConfigError("zero_optimization.offload_optimizer.device",
-                          f"{offload.device} needs ZeRO stage 1, 2 or 3 (the stage is 0)")
-    threads = cpu_step_threads(_local_world_size())  # the host step may use this rank's share of the cores
-    if offload.device == "cpu":
-        return MasterPlacement(device=torch.device("cpu"), pin_memory=bool(offload.pin_memory), step_threads=threads)
-    store = SwapStore(Path(offload.nvme_path) / f"zerotune_optimizer_rank{rank}", AioSettings.from_config(cfg.aio))
-    return NvmePlacement(store, sub_group_size=int(zero.sub_group_size), buffer_count=int(offload.buffer_count),
-                         step_threads=threads)
-
-
-def _build_stage3_state(zero: Any, group_params: list[list[torch.nn.Parameter]], policy: Any, group: Any,
-                        model: torch.nn.Module, predivide: float, placement: MasterPlacement, *, rank: int,
-                        aio: AioSettings) -> Stage3State:
-    """Partition the model into units (hooks attached), masters from the fp32 shards, then cast.
-
-    ``model.to(dtype)`` is not used: it would materialize every partitioned parameter's placeholder.
-    """
-    in_flight = 2 if zero.overlap_comm else 0
-    offload = zero.offload_param
-    state = Stage3State(group_params, policy, group, placement)
-    store = (SwapStore(Path(offload.nvme_path) / f"zerotune_params_rank{rank}", aio)
-             if offload.device == "nvme" else None)
-    pool = (SwapBufferPool(int(offload.buffer_count), int(offload.buffer_size), dtype=policy.param_dtype)
-            if store is not None else None)
-
-    def unit_built(unit: Any) -> None:  # masters taken and the unit cast (and swapped out) before the next
-        state.add_unit(unit)
-        if store is not None:  # files hold the model dtype
-            for kind, segment in (("trainable", unit.trainable), ("frozen", unit.frozen)):
-                if segment is not None:
-                    segment.swap_out_to(store, f"unit{len(state.units) - 1}_{kind}", pool)
-
-    units = partition_model(model, group, group_params, buffers=BufferPool(capacity_numel=int(zero.reduce_bucket_size)),
-                            persistence_threshold=int(zero.stage3_param_persistence_threshold),
-                            shard_device=torch.device("cpu") if offload.device != "none" else None,
-                            pin_memory=bool(offload.pin_memory), on_unit_built=unit_built)
-    state.finish(UnitScheduler(units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
-                               max_live_numel=int(zero.stage3_max_live_parameters), predivide_factor=predivide,
-                               max_in_flight=in_flight))
-    with torch.no_grad():
-        for buffer in model.buffers():
-            if buffer.is_floating_point():
-                buffer.data = buffer.data.to(policy.param_dtype)
-    return state
 
 
 def _build_scheduler(raw_scheduler: Any, client: Any, optimizer: torch.optim.Optimizer | None) -> Any:
@@ -332,9 +218,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if omitted:
         log_rank0("%d parameter(s) require grad but are in no optimizer group and will not be trained (e.g. %s); "
                   "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=env.rank)
-    state = _build_state(cfg, groups, trainable, policy, mesh, model)
+    compressor = gradient_compressor(cfg)
+    state = build_zero_state(cfg, groups, trainable, policy, mesh, model, compressor, rank=env.rank)
     limit_norm_to_one_holder(state, mesh, model if pipelined else None)
-    compressor = _gradient_compressor(cfg, state)
     torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
     if isinstance(torch_optimizer, OneBitAdam):
         if not isinstance(state, ReplicatedState) or compressor is not None:
@@ -365,26 +251,6 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
               env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage, policy.name,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _gradient_compressor(cfg: Any, state: Any) -> TopKCompressor | None:
-    """Top-K compression plugged into the stage's gradient reductions (``gradient_compression`` block)."""
-    section = cfg.gradient_compression
-    if section is None:
-        return None
-    if cfg.zero_optimization.stage == 3:
-        raise NotSupportedYetError("gradient_compression", "with ZeRO stage 3 is not supported yet (stages 0, 1 "
-                                   "and 2 compress their all-reduce / reduce-scatter / reduce)")
-    compressor = TopKCompressor(section.ratio, error_feedback=bool(section.error_feedback),
-                                warmup_steps=int(section.warmup_steps), min_bucket_numel=int(section.min_bucket_numel))
-    state.grad_sync.compressor = compressor
-    return compressor
-
-
-def _predivide_factor(cfg: Any, mesh: ProcessMesh) -> float:
-    if cfg.prescale_gradients:
-        return float(mesh.size("dp_sp"))
-    return float(cfg.gradient_predivide_factor)
 
 
 def _loss_scaler(cfg: Any) -> StaticLossScaler | DynamicLossScaler:

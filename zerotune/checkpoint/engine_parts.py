@@ -16,6 +16,7 @@ Layout of ``<save_dir>/<tag>/`` (written through ``checkpoint.atomic``):
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 import re
 from pathlib import Path
@@ -63,7 +64,7 @@ def load_compression_state(engine: Engine, saved: dict) -> None:
         engine.compressor.load_state_dict(saved["topk"], engine.device)
     if hasattr(engine.optimizer, "load_error_state_dict") and "onebit" in saved:
         engine.optimizer.load_error_state_dict(saved["onebit"], engine.device)
-        engine.grad_sync.local_only = engine.optimizer.takes_local_gradients
+        engine.grad_sync.use_local_gradients(engine.optimizer.takes_local_gradients)
 
 
 def rng_file(rank: int) -> str:
@@ -123,3 +124,22 @@ def check_frozen_base(engine: Engine, saved: dict, path: Path) -> None:
     if live["sha256"] != recorded["sha256"]:
         raise CheckpointError(f"{path} was saved without its frozen base, and this model's frozen weights are not the "
                               "ones it was trained on (their SHA-256 differs): load the same base model")
+
+
+def model_description(module: torch.nn.Module) -> dict:
+    """JSON text of the Hugging Face model config and the PEFT adapter configs (when the module has them), so
+    ``zerotune export`` can write ``config.json`` / ``adapter_config.json`` from the checkpoint alone."""
+    description = {}
+    config = getattr(module, "config", None)
+    if hasattr(config, "to_json_string"):
+        description["hf_config"] = config.to_json_string(use_diff=False)
+    peft = getattr(module, "peft_config", None)
+    if isinstance(peft, dict):
+        description["peft_config"] = {name: json.dumps(c.to_dict(), default=_jsonable) for name, c in peft.items()}
+    return description
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, (set, frozenset)):
+        return sorted(value)
+    return str(value)

@@ -106,30 +106,40 @@ class PieceReader:
         self.directory = directory
         self.whole = whole
         self.index: dict[tuple[str, str], list[tuple[str, dict]]] = {}
+        self.kinds: dict[str, set[str]] = {}  # name -> the kinds saved for it
         self.scalars: dict[str, dict] = {}
         self.files = files
         for file, content in files.items():
             for entry in content["entries"]:
                 self.index.setdefault((entry["name"], entry["kind"]), []).append((file, entry))
+                self.kinds.setdefault(entry["name"], set()).add(entry["kind"])
             self.scalars.update(content["scalars"])
         self._cache: tuple[tuple, torch.Tensor] | None = None
 
     def names(self) -> set[str]:
-        return set(self.whole) | {name for name, _ in self.index}
+        return set(self.whole) | set(self.kinds)
 
     def has(self, name: str, kind: str) -> bool:
         return (kind == WEIGHT and name in self.whole) or (name, kind) in self.index
 
     def optimizer_keys(self, name: str) -> list[str]:
-        return sorted(kind[len(OPTIM):] for n, kind in self.index if n == name and kind.startswith(OPTIM))
+        return sorted(kind[len(OPTIM):] for kind in self.kinds.get(name, ()) if kind.startswith(OPTIM))
 
     def shape(self, name: str) -> tuple[int, ...] | None:
         if name in self.whole:
             return tuple(self.whole[name].shape)
-        for (n, _), found in self.index.items():
-            if n == name:
-                return tuple(found[0][1]["shape"])
+        for kind in self.kinds.get(name, ()):
+            return tuple(self.index[(name, kind)][0][1]["shape"])
         return None
+
+    def full(self, name: str) -> torch.Tensor:
+        """The whole tensor ``name``: the fp32 masters when saved (exact), else the weights."""
+        if name in self.whole:
+            return self.whole[name]
+        kind = MASTER if (name, MASTER) in self.index else WEIGHT
+        if (name, kind) not in self.index:
+            raise CheckpointError(f"{self.directory} has no values for '{name}'")
+        return self._full(name, kind, self.index[(name, kind)])
 
     def files_for(self, wanted: Iterable[tuple[str, str]]) -> set[str]:
         return {file for key in wanted for file, _ in self.index.get(key, [])}
@@ -230,7 +240,7 @@ def check_fits(engine: Engine, reader: PieceReader, *, strict: bool, skip: set[s
         if saved_groups is not None and len(saved_groups) != len(groups):
             raise CheckpointError(f"{reader.directory} holds {len(saved_groups)} optimizer parameter groups; this "
                                   f"run has {len(groups)} (load_optimizer_states=False loads the weights only)")
-        any_state = any(kind.startswith(OPTIM) for _, kind in reader.index)
+        any_state = any(kind.startswith(OPTIM) for kinds in reader.kinds.values() for kind in kinds)
         for pieces in engine.state.master_pieces():
             for piece in pieces:
                 name = engine.param_names[id(piece.param)]

@@ -30,7 +30,8 @@ class AllReduceGradSync:
     """Keeps the data-parallel replicas' gradients identical (and averaged) at every boundary."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, *,
-                 bucket_numel: int, device: torch.device, predivide_factor: float = 1.0) -> None:
+                 bucket_numel: int, device: torch.device, predivide_factor: float = 1.0,
+                 compressor: compression.TopKCompressor | None = None) -> None:
         self.params = list(params)
         self.group = group
         world = 1 if group is None else dist.get_world_size(group)
@@ -42,9 +43,9 @@ class AllReduceGradSync:
         self._communicating = False
         self._grads_in_buckets = all(p.dtype == torch.float32 for p in self.params)
         self._hooks = register_grad_ready_hooks(self.params, self._on_grad_ready)
-        self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
-        # An optimizer that averages something else (OneBitAdam's momentum) takes each rank's own gradient.
+        self.compressor = compressor  # Top-K gradient compression of the all-reduce (gradient_compression)
         self.local_only = False
+        """Each rank keeps its own gradient (no all-reduce): see ``use_local_gradients``."""
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Call before each backward: only the boundary micro-step communicates."""
@@ -90,6 +91,11 @@ class AllReduceGradSync:
         if self.post_factor != 1.0 and not self.local_only:
             for bucket in self.buckets.buckets:
                 bucket.buffer.mul_(self.post_factor)
+
+    def use_local_gradients(self, enabled: bool) -> None:
+        """An optimizer that averages something else (OneBitAdam's momentum, after its warm-up) takes each
+        rank's own gradient: from now on the boundary all-reduce is skipped."""
+        self.local_only = bool(enabled)
 
     def grad_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The fp32 gradient of ``param`` (a view into its bucket)."""

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.offload.master_placement import MasterPlacement
-from zerotune.precision.policy import MasterWeights, PrecisionPolicy
+from zerotune.precision.policy import MasterWeights
 from zerotune.zero.allreduce_sync import AllReduceGradSync
 from zerotune.zero.grad_norm import global_grad_norm
 from zerotune.zero.held import HeldPiece
@@ -23,11 +23,10 @@ from zerotune.zero.held import HeldPiece
 class ReplicatedState:
     """Full fp32 masters (or the parameters themselves in fp32) and the all-reduce gradient sync."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], policy: PrecisionPolicy,
-                 grad_sync: AllReduceGradSync) -> None:
-        """Call while the parameters still hold their fp32 values: masters are taken before rounding."""
-        self.policy = policy
-        self.weights = MasterWeights(params, policy)
+    def __init__(self, weights: MasterWeights, grad_sync: AllReduceGradSync) -> None:
+        """``weights``: the masters, taken while the parameters still held their fp32 values (before the cast)."""
+        self.policy = policy = weights.policy
+        self.weights = weights
         self.separate = policy.mixed
         self.placement = MasterPlacement()  # stage 0 keeps masters with the parameters
         self.grad_sync = grad_sync

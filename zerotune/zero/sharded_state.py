@@ -16,7 +16,7 @@ In fp32 the master shard is a view of the model's flat parameters: no second cop
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,8 +53,13 @@ class ShardedState:
 
     def __init__(self, group_params: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
                  group: dist.ProcessGroup | None, *, allgather_bucket_numel: int,
-                 placement: MasterPlacement | None = None) -> None:
-        """Call while the parameters still hold their fp32 values: masters are taken before rounding."""
+                 make_grad_sync: Callable[[list[FlatParamGroup], Callable | None], Any],
+                 placement: MasterPlacement | None = None, stage_grads: bool = False) -> None:
+        """Call while the parameters still hold their fp32 values: masters are taken before rounding.
+
+        ``make_grad_sync(flat_groups, on_final_grad)``: the stage's gradient sync over the flat groups;
+        ``stage_grads`` (host offload at stage 2): ``on_final_grad`` copies each gradient part to the host
+        as soon as its bucket is reduced, while backward goes on."""
         self.policy = policy
         self.placement = placement or MasterPlacement()
         self.separate = self.placement.separate_masters(policy.mixed)
@@ -74,16 +79,15 @@ class ShardedState:
             self.masters.append(torch.nn.Parameter(master))
         if self.separate:
             self.placement.adopt(self.masters, [_range_writer(fg.owned) for fg in self.flat_groups])
-        self.grad_sync = None
+        on_final_grad = None
+        if stage_grads:
+            real = [max(0, min(fg.layout.owned_range(fg.rank)[1], fg.layout.total) - fg.layout.owned_range(fg.rank)[0])
+                    for fg in self.flat_groups]
+            self.placement.enable_staging(self.masters, real)
+            on_final_grad = self.placement.stage
+        self.grad_sync = make_grad_sync(self.flat_groups, on_final_grad)
         self._model_groups: list[dist.ProcessGroup] = []
         self._norm_skip: list[list[tuple[int, int]]] | None = None
-
-    def stage_grads_during_backward(self) -> None:
-        """Host offload at stage 2: copy each gradient part to the host as soon as its bucket is reduced."""
-        real = [max(0, min(fg.layout.owned_range(fg.rank)[1], fg.layout.total) - fg.layout.owned_range(fg.rank)[0])
-                for fg in self.flat_groups]
-        self.placement.enable_staging(self.masters, real)
-        self.grad_sync.on_final_grad = self.placement.stage
 
     @property
     def params(self) -> list[torch.nn.Parameter]:

@@ -26,7 +26,8 @@ class ReduceAtBoundaryGradSync:
     """Full local gradients; one bucketed reduce-scatter per optimizer step."""
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], group: dist.ProcessGroup | None, *,
-                 bucket_numel: int, predivide_factor: float = 1.0) -> None:
+                 bucket_numel: int, predivide_factor: float = 1.0,
+                 compressor: compression.TopKCompressor | None = None) -> None:
         self.flat_groups = list(flat_groups)
         self.group = group
         world = 1 if group is None else dist.get_world_size(group)
@@ -38,7 +39,7 @@ class ReduceAtBoundaryGradSync:
             [buffer[offset:offset + p.numel()].view(p.shape) for p, offset in zip(fg.params, fg.layout.offsets)]
             for fg, buffer in zip(self.flat_groups, self.grad_buffers)
         ]
-        self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
+        self.compressor = compressor  # Top-K gradient compression of the reduce-scatter (gradient_compression)
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Point every ``param.grad`` at its slot so autograd accumulates into the flat buffer."""

@@ -64,7 +64,8 @@ class BucketedReduceGradSync:
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], group: dist.ProcessGroup | None, *,
                  bucket_numel: int, position: dict[int, int], predivide_factor: float = 1.0,
-                 max_in_flight: int = 2) -> None:
+                 max_in_flight: int = 2, compressor: compression.TopKCompressor | None = None,
+                 on_final_grad: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
         self.flat_groups = list(flat_groups)
         self.group = group
         world = 1 if group is None else dist.get_world_size(group)
@@ -84,11 +85,11 @@ class BucketedReduceGradSync:
         self._in_flight: deque[tuple[Bucket, comm.Handle]] = deque()
         self._round_open = False
         self._boundary = False
-        self.on_final_grad: Callable[[int, int, torch.Tensor], None] | None = None
+        self.on_final_grad = on_final_grad
         """``(group, lo, grad)``: a part of a gradient slice is final (last micro-step), e.g. to copy it to the host."""
         params = [p for fg in self.flat_groups for p in fg.params]
         self._hooks = register_grad_ready_hooks(params, self._on_grad_ready)
-        self.compressor: compression.TopKCompressor | None = None  # gradient compression (set by initialize)
+        self.compressor = compressor  # Top-K gradient compression of the reduces (gradient_compression)
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Every micro-step is a communication round; close the previous one first."""

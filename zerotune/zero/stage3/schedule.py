@@ -64,7 +64,8 @@ class UnitScheduler:
     """Owns the hooks; also the engine's gradient-sync strategy for stage 3."""
 
     def __init__(self, units: Sequence[ParamUnit], *, prefetch_numel: int, max_live_numel: int,
-                 predivide_factor: float = 1.0, max_in_flight: int = 2) -> None:
+                 predivide_factor: float = 1.0, max_in_flight: int = 2,
+                 on_final_grad: Callable[[ParamUnit], None] | None = None) -> None:
         self.units = list(units)
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
@@ -78,7 +79,7 @@ class UnitScheduler:
         self._backward_trace: list[ParamUnit] = []
         self._in_backward = False
         self._boundary = False
-        self.on_final_grad: Callable[[ParamUnit], None] | None = None
+        self.on_final_grad = on_final_grad
         """A unit's gradient slice is final (last micro-step), e.g. to copy it to the host during backward."""
         self._reducing: deque[ParamUnit] = deque()
         self._pending_inputs: dict[int, int] = {}

@@ -11,7 +11,7 @@ all-gather after the step: the next forward gathers each unit as it needs it.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -79,10 +79,10 @@ class Stage3State:
                 self.master_flats[id(unit)] = flat
         unit.cast_(self.policy.param_dtype)
 
-    def finish(self, grad_sync: UnitScheduler) -> None:
-        """Every rank keeps every optimizer group, if only with an empty master; host offload copies each
-        unit's final gradient to the host as soon as its last reduce-scatter is done."""
-        self.grad_sync = grad_sync
+    def finish(self, make_scheduler: Callable[[Callable[[ParamUnit], None]], UnitScheduler]) -> None:
+        """Every rank keeps every optimizer group, if only with an empty master; ``make_scheduler(on_final_grad)``
+        builds the units' scheduler, whose ``on_final_grad`` copies each unit's final gradient to the host (host
+        offload) as soon as its last reduce-scatter is done."""
         for g in range(len(self._groups)):
             if not any(slot[0] == g for slot in self._slots):
                 self._slots.append((g, None, 0, 0))
@@ -97,7 +97,7 @@ class Stage3State:
             for index in slots_of.get(id(unit), []):
                 _, _, lo, hi = self._slots[index]
                 self.placement.stage(index, 0, unit.grad_shard[lo:hi])
-        grad_sync.on_final_grad = stage
+        self.grad_sync = make_scheduler(stage)
 
     def _write_shard(self, slot: int, lo: int, values: torch.Tensor) -> None:
         """Round ``values`` into master ``slot``'s part of its unit's shard, at offset ``lo``."""
