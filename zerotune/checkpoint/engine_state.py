@@ -38,12 +38,14 @@ from zerotune.checkpoint.engine_parts import (
     frozen_fingerprint,
     frozen_names,
     load_compression_state,
+    model_description,
     model_file,
     module_state,
     rng_file,
     rng_state,
     set_rng_state,
 )
+from zerotune.checkpoint.deepspeed_format import as_piece_reader, is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from zerotune.checkpoint.logical import (
     SHARD_FILE_PATTERN,
     PieceReader,
@@ -113,6 +115,8 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
             "client_state": client_state, "config": engine.config,
             "optimizer_groups": _group_hyperparameters(engine), "layout": _layout(engine),
+            "model_description": model_description(engine.module),
+            "trainable_names": [n for n, p in engine.module.named_parameters() if p.requires_grad],
         }, staging / model_file(engine)))
     # stage 0: masters and optimizer state are replicated (the first replica saves them); stages 1-3: every
     # rank saves its own slice; stage 3 also its weight shards
@@ -135,6 +139,41 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
     comm.barrier()
 
 
+def _load_deepspeed(engine: Engine, directory: Path, tag: str | None, *, strict: bool, with_optimizer: bool,
+                    with_scheduler: bool) -> tuple[str, dict]:
+    """Migrate a DeepSpeed ZeRO 1/2/3 checkpoint: weights, and for a resume Adam state, step, counters and the
+    LR schedule, at this engine's layout (every rank reads the whole checkpoint: it has no manifest to verify,
+    files are read with ``weights_only`` and DeepSpeed's few record types as inert stand-ins)."""
+    with_optimizer = with_optimizer and engine.optimizer is not None
+
+    def read() -> tuple[Any, PieceReader]:
+        checkpoint = read_deepspeed_checkpoint(directory, tag)
+        reader = as_piece_reader(checkpoint, directory)
+        check_fits(engine, reader, strict=strict, skip=set(), with_optimizer=with_optimizer,
+                   saved_groups=checkpoint.param_groups or None)
+        return checkpoint, reader
+
+    checkpoint, reader = _shared(engine, read)
+    load_weights(engine, reader)
+    engine.state.reload_from_model()
+    if with_optimizer:
+        load_optimizer_state(engine, reader, checkpoint.param_groups)
+        engine.global_steps, engine.global_samples = checkpoint.global_steps, checkpoint.global_samples
+        engine.skipped_steps = checkpoint.skipped_steps
+        engine.micro_steps = checkpoint.global_steps * engine.gradient_accumulation_steps()
+    if with_scheduler and engine.lr_scheduler is not None and checkpoint.lr_scheduler is not None:
+        try:
+            engine.lr_scheduler.load_state_dict(checkpoint.lr_scheduler)
+        except (KeyError, TypeError, ValueError) as error:
+            log_rank0("DeepSpeed checkpoint %s: its LR scheduler state does not fit this run's scheduler (%s): the "
+                      "schedule restarts", directory, error, rank=engine.global_rank, level=logging.WARNING)
+    log_rank0("loaded DeepSpeed checkpoint %s (ZeRO stage %d on %d ranks, DeepSpeed %s, step %d)", directory,
+              checkpoint.zero_stage, checkpoint.dp_world_size, checkpoint.ds_version, checkpoint.global_steps,
+              rank=engine.global_rank)
+    engine.zero_grad()
+    return str(directory), checkpoint.client_state
+
+
 def _verify(engine: Engine, directory: Path, manifest: dict, names: list[str]) -> None:
     verify_files(directory, [name for name in names if name in manifest], manifest)
 
@@ -144,7 +183,12 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
                            load_module_only: bool) -> tuple[str | None, dict | None]:
     """Verify, read and check everything first (on every rank, errors shared), then change the engine:
     a checkpoint that does not fit is refused before a single weight is overwritten. Any saved layout
-    loads at this one: each rank takes the pieces it now holds from whichever files hold them."""
+    loads at this one: each rank takes the pieces it now holds from whichever files hold them. A DeepSpeed
+    ZeRO checkpoint directory is read too (``_load_deepspeed``)."""
+    if is_deepspeed_checkpoint(Path(load_dir)):
+        return _load_deepspeed(engine, Path(load_dir), tag, strict=load_module_strict,
+                               with_optimizer=load_optimizer_states and not load_module_only,
+                               with_scheduler=load_lr_scheduler_states and not load_module_only)
     resolved = resolve_tag(load_dir, tag)
     if resolved is None:
         get_logger().warning("no 'latest' file in %s and no tag given: nothing loaded", load_dir)

@@ -134,7 +134,7 @@ class PieceReader:
 
     def full(self, name: str) -> torch.Tensor:
         """The whole tensor ``name``: the fp32 masters when saved (exact), else the weights."""
-        if name in self.whole:
+        if (name, MASTER) not in self.index and name in self.whole:
             return self.whole[name]
         kind = MASTER if (name, MASTER) in self.index else WEIGHT
         if (name, kind) not in self.index:

@@ -1,4 +1,5 @@
-"""The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model, ``report`` a run."""
+"""The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model, ``report`` a run,
+``export`` a checkpoint."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import argparse
 import sys
 
 from zerotune.cli.check import add_check_parser
+from zerotune.cli.export import add_export_parser
 from zerotune.cli.finetune import add_finetune_parser
 from zerotune.cli.report import add_report_parser
 from zerotune.cli.run import add_run_parser
@@ -18,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(subparsers)
     add_finetune_parser(subparsers)
     add_report_parser(subparsers)
+    add_export_parser(subparsers)
     return parser
 
 
