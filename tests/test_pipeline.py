@@ -223,3 +223,34 @@ def _initialize_error(config_change: dict, stages: int) -> str:
 def test_bad_pipeline_setups_are_refused_at_initialize(change, expected):
     for message in run_distributed(_initialize_error, 2, change, 2, timeout=120):
         assert expected in message, message
+
+
+def _micro_step_api_and_hooks() -> dict:
+    from zerotune.engine import Engine
+
+    engine = _engine(2, "1f1b", 1)
+    steps = []
+    engine.register_post_step_hook(lambda e: steps.append(e.global_steps))
+    engine.train_batch(_batches(engine, 0))
+    errors = {}
+    try:
+        engine(torch.zeros(1, WIDTH))
+    except RuntimeError as error:
+        errors["call"] = str(error)
+    for name in ("backward", "step"):
+        try:
+            getattr(engine, name)
+        except AttributeError as error:
+            errors[name] = str(error)
+    result = {"is_engine": isinstance(engine, Engine), "hooked": steps, "errors": errors}
+    engine.destroy()
+    return result
+
+
+def test_the_pipeline_engine_is_the_step_core_with_a_schedule_not_a_disabled_engine():
+    """PipelineEngine shares the step core (post-step hooks run after train_batch) and has no micro-step API:
+    calling it, or asking for backward / step, says to use train_batch."""
+    result = run_distributed(_micro_step_api_and_hooks, 2)[0]
+    assert not result["is_engine"] and result["hooked"] == [1]
+    assert set(result["errors"]) == {"call", "backward", "step"}
+    assert all("train_batch" in message for message in result["errors"].values())

@@ -59,7 +59,7 @@ from zerotune.distributed import comm
 from zerotune.monitor.logging import get_logger, log_rank0
 
 if TYPE_CHECKING:
-    from zerotune.engine import Engine
+    from zerotune.engine_core import EngineCore as Engine
 
 
 def _agreed_tag(engine: Engine, tag: str) -> str:

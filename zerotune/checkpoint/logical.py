@@ -33,7 +33,7 @@ from zerotune.parallel.tensor.state_dict import full_shape
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 
 if TYPE_CHECKING:
-    from zerotune.engine import Engine
+    from zerotune.engine_core import EngineCore as Engine
 
 WEIGHT, MASTER, OPTIM = "weight", "master", "optim."
 

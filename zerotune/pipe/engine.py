@@ -34,16 +34,16 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
-from zerotune.engine import Engine, _map_tensors
+from zerotune.engine_core import EngineCore, map_tensors
 from zerotune.parallel.tensor.state_dict import iter_full_tensors
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.p2p import ACTIVATION_TAG, GRADIENT_TAG, as_tuple, recv_tensors, send_tensors
 from zerotune.pipe.schedule import build_schedule
 
 
-def _schedule_only(method: str) -> RuntimeError:
-    return RuntimeError(f"engine.{method}() is not available with pipeline parallelism: use engine.train_batch(data_iter) "
-                        "/ engine.eval_batch(data_iter) (the pipeline schedule runs forward, backward and step)")
+def _schedule_only(method: str) -> str:
+    return (f"engine.{method}() is not available with pipeline parallelism: use engine.train_batch(data_iter) / "
+            "engine.eval_batch(data_iter) (the pipeline schedule runs forward, backward and step)")
 
 
 def default_batch_fn(batch: Any) -> tuple[Any, Any]:
@@ -54,7 +54,7 @@ def default_batch_fn(batch: Any) -> tuple[Any, Any]:
                     f"engine.set_batch_fn(fn) to convert your batches, got {type(batch).__name__}")
 
 
-class _BuiltFromAModel(type(Engine)):
+class _BuiltFromAModel(type(EngineCore)):
     """``PipelineEngine(model, config=...)`` (the seed guide's spelling) builds the engine through
     ``zerotune.initialize``; ``initialize`` itself constructs it with keyword arguments only."""
 
@@ -72,8 +72,9 @@ class _BuiltFromAModel(type(Engine)):
         return super().__call__(*args, **kwargs)
 
 
-class PipelineEngine(Engine, metaclass=_BuiltFromAModel):
-    """The engine of a ``PipelineModule``; see the module docstring."""
+class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
+    """The engine of a ``PipelineModule``: the step core (``engine_core.py``) driven by a pipeline schedule; it has
+    no micro-step API (forward / backward / step), as DeepSpeed's."""
 
     def __init__(self, *, tie_groups: dict[str, dist.ProcessGroup], batch_fn: Callable | None = None,
                  **kwargs: Any) -> None:
@@ -100,14 +101,13 @@ class PipelineEngine(Engine, metaclass=_BuiltFromAModel):
     def set_batch_fn(self, fn: Callable) -> None:
         self.batch_fn = fn
 
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise _schedule_only("forward")
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(_schedule_only("forward"))
 
-    def backward(self, *args: Any, **kwargs: Any) -> Any:
-        raise _schedule_only("backward")
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        raise _schedule_only("step")
+    def __getattr__(self, name: str) -> Any:
+        if name in ("forward", "backward", "step"):  # a DeepSpeed script written for the data-parallel engine
+            raise AttributeError(_schedule_only(name))
+        return super().__getattr__(name)
 
     # ---- one batch -------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
@@ -206,10 +206,10 @@ class PipelineEngine(Engine, metaclass=_BuiltFromAModel):
         labels = None
         if self.is_first_stage() or self.is_last_stage():
             batch = next(data_iter) if data_iter is not None else self._next_default_batch()
-            inputs, labels = self.batch_fn(_map_tensors(batch, lambda t: t.to(self.device)))
+            inputs, labels = self.batch_fn(map_tensors(batch, lambda t: t.to(self.device)))
         if self.is_first_stage():
             if self.policy.mixed:
-                inputs = _map_tensors(inputs, lambda t: t.to(self.policy.param_dtype) if t.is_floating_point() else t)
+                inputs = map_tensors(inputs, lambda t: t.to(self.policy.param_dtype) if t.is_floating_point() else t)
             return as_tuple(inputs), labels
         received = recv_tensors(self._prev, ACTIVATION_TAG, self.device)
         if not torch.is_grad_enabled():

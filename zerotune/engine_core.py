@@ -1,0 +1,263 @@
+"""The step core every engine is built from: one optimizer step, counters, checkpoints, reports.
+
+``EngineCore`` holds what an optimizer step needs -- the ZeRO state (``zero/contracts.py``), the
+optimizer, LR scheduler and loss scaler, the counters -- and performs the step at an accumulation
+boundary (``_take_model_step``):
+
+1. one global norm of the fp32 gradients -> fp16 overflow check, unscale and clip in one pass;
+2. optimizer step on the fp32 masters (skipped on overflow), masters rounded into the model;
+3. loss scale, LR schedule, counters, post-step hooks and the step report advance.
+
+How micro-batches reach that step is the engines' own business: ``Engine`` (``engine.py``) exposes
+DeepSpeed's forward / backward / step; ``PipelineEngine`` (``pipe/engine.py``) runs a pipeline
+schedule in ``train_batch``. Neither has the other's methods.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+
+from zerotune.checkpoint.engine_state import load_engine_checkpoint, save_engine_checkpoint
+from zerotune.distributed import comm
+from zerotune.distributed.compression import CompressionStats, TopKCompressor
+from zerotune.distributed.env import DistEnv
+from zerotune.distributed.mesh import ProcessMesh
+from zerotune.engine_queries import EngineQueries
+from zerotune.monitor.logging import log_rank0
+from zerotune.monitor.step_report import StepReporter
+from zerotune.monitor.throughput import ThroughputTimer
+from zerotune.monitor.timers import WallClockTimers
+from zerotune.monitor.writers import ScalarWriters
+from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler
+from zerotune.precision.policy import PrecisionPolicy
+from zerotune.zero.contracts import ZeroState
+from zerotune.zero.stage3.saving import iter_consolidated, save_consolidated
+
+
+def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply ``fn`` to every tensor in nested lists / tuples / dicts; leave other values alone."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def loss_from_output(output: Any) -> torch.Tensor:
+    """The scalar loss in a model's output: a tensor, ``output.loss`` or ``output["loss"]``."""
+    if isinstance(output, torch.Tensor) and output.numel() == 1:
+        return output
+    loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    raise TypeError(
+        f"train_batch needs the model to return a scalar loss (a 1-element tensor, .loss or ['loss']); "
+        f"it returned {type(output).__name__}"
+    )
+
+
+class EngineCore(EngineQueries, torch.nn.Module):
+    """What every engine has: the step, the counters, checkpoints and reports (see the module docstring)."""
+
+    def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,
+                 policy: PrecisionPolicy, state: ZeroState,
+                 optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
+                 loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
+                 training_dataloader: Any = None, compressor: TopKCompressor | None = None,
+                 client_optimizer: Any = None) -> None:
+        super().__init__()
+        self.module = module
+        self._config = config
+        self.env = env
+        self.mesh = mesh
+        self.policy = policy
+        self.state = state
+        self.optimizer = optimizer
+        self.client_optimizer = client_optimizer
+        self.lr_scheduler = lr_scheduler
+        self.loss_scaler = loss_scaler
+        self.param_names = param_names
+        self.training_dataloader = training_dataloader
+        self.compressor = compressor
+        self.timers = WallClockTimers(config.wall_clock_breakdown,
+                                      torch.cuda.synchronize if env.device.type == "cuda" else None)
+        self.monitor = ScalarWriters.from_config(config.tensorboard, config.csv_monitor, config.wandb, rank=env.rank)
+        self.reporter = StepReporter(config.steps_per_print, env.rank, self.monitor, self.timers)
+        self.tput_timer = ThroughputTimer(config.train_batch_size,
+                                          synchronize=torch.cuda.synchronize if env.device.type == "cuda" else None)
+        self.global_steps = 0
+        self.global_samples = 0
+        self.micro_steps = 0
+        self.skipped_steps = 0
+        self._step_applied = False
+        self._last_grad_norm: float | None = None
+        self._window_loss: torch.Tensor | None = None
+        self._data_iterator: Iterator | None = None
+        self._epoch = 0
+        self._post_step_hooks: list[Callable[["EngineCore"], None]] = []
+
+    def register_post_step_hook(self, hook: Callable[["EngineCore"], None]) -> Callable[[], None]:
+        """Call ``hook(engine)`` after every optimizer step; returns a function that removes it."""
+        self._post_step_hooks.append(hook)
+        return lambda: self._post_step_hooks.remove(hook)
+
+    def set_train_batch_size(self, train_batch_size: int) -> None:
+        """Change the global batch size by changing the accumulation steps (the micro-batch size stays),
+        as DeepSpeed's method; call it between optimizer steps."""
+        per_step = self.train_micro_batch_size_per_gpu() * self.dp_world_size
+        if not isinstance(train_batch_size, int) or train_batch_size < per_step or train_batch_size % per_step:
+            raise ValueError(f"set_train_batch_size({train_batch_size!r}): must be a positive multiple of "
+                             f"train_micro_batch_size_per_gpu x data-parallel size = {per_step}")
+        if self.micro_steps % self.gradient_accumulation_steps():
+            raise RuntimeError("set_train_batch_size() in the middle of an optimizer step; call it after engine.step() "
+                               "at an accumulation boundary")
+        gas = train_batch_size // per_step
+        self._config = self._config.model_copy(update={"train_batch_size": train_batch_size,
+                                                       "gradient_accumulation_steps": gas})
+        self.micro_steps = self.global_steps * gas
+        self.tput_timer.batch_size = train_batch_size
+
+    def _take_model_step(self, lr_kwargs: dict) -> None:
+        grads = self.state.step_grads()
+        scale = self.loss_scaler.loss_scale
+        scaled_norm = self.state.grad_norm(grads)
+        overflow = not math.isfinite(scaled_norm)
+        if overflow:
+            self._last_grad_norm = scaled_norm
+            if self.loss_scaler.dynamic and self.loss_scaler.at_minimum:
+                raise LossScaleError(
+                    f"fp16 gradient overflow at the minimum loss scale {scale:g}; the first parameter with an "
+                    f"inf/nan gradient is '{self.state.first_nonfinite_param(self.param_names)}'. Lower the learning rate, use bf16, "
+                    "or lower zero_optimization/fp16.min_loss_scale"
+                )
+            self.skipped_steps += 1
+        else:
+            norm = scaled_norm / scale
+            self._last_grad_norm = norm
+            coefficient = 1.0 / scale
+            clip = self._config.gradient_clipping
+            if clip > 0:
+                coefficient *= min(1.0, clip / (norm + 1e-6))
+            self.state.attach(grads, coefficient)
+            self.state.placement.step(self.optimizer)
+            self.state.update_model()
+            if getattr(self.optimizer, "takes_local_gradients", False):  # OneBitAdam after its warm-up
+                self.grad_sync.use_local_gradients(True)
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        scale_before = self.loss_scaler.loss_scale
+        self.loss_scaler.update_scale(overflow)
+        self._step_applied = not overflow
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        if self.compressor is not None:
+            self._advance_compression(overflow, scale_before)
+        self._report(overflow)
+        self.zero_grad()
+        for hook in self._post_step_hooks:
+            hook(self)
+
+    def _advance_compression(self, overflow: bool, scale_before: float) -> None:
+        """Residuals follow the loss scale (they hold scaled gradients) and are dropped after an overflow;
+        the achieved compression is logged with the step report."""
+        compressor = self.compressor
+        if overflow:
+            compressor.drop_residuals()
+        elif self.loss_scaler.loss_scale != scale_before:
+            compressor.rescale_residuals(self.loss_scaler.loss_scale / scale_before)
+        compressor.step = self.global_steps
+        if self.global_steps % self.steps_per_print() == 0 and compressor.stats.dense_bytes:
+            stats = compressor.stats
+            log_rank0("gradient compression: sent %s of %s gradient bytes (%.2f%%) over the last %d step(s)",
+                      f"{stats.sent_bytes:,}", f"{stats.dense_bytes:,}", 100 * stats.ratio, self.steps_per_print(),
+                      rank=self.global_rank)
+            compressor.stats = CompressionStats()
+
+    def _report(self, overflow: bool) -> None:
+        loss = None
+        if self._window_loss is not None:
+            loss = self._window_loss.item() / self.gradient_accumulation_steps()
+            self._window_loss = None
+        lrs = self.get_lr()
+        self.reporter.record(step=self.global_steps, loss=loss, lr=lrs[0] if lrs else 0.0,
+                             grad_norm=self._last_grad_norm, skipped=overflow,
+                             loss_scale=self.loss_scaler.loss_scale if self.fp16_enabled() else None,
+                             samples=self.train_batch_size())
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (the fp32 buckets and any ``.grad`` left on parameters or masters)."""
+        del set_to_none
+        self.state.zero_grad()
+
+    # ---- data ----------------------------------------------------------------------------
+    def _next_default_batch(self) -> Any:
+        if self.training_dataloader is None:
+            raise ValueError("train_batch() without data_iter needs initialize(training_data=...)")
+        while True:
+            if self._data_iterator is None:
+                sampler = getattr(self.training_dataloader, "sampler", None)
+                if hasattr(sampler, "set_epoch"):
+                    sampler.set_epoch(self._epoch)
+                self._data_iterator = iter(self.training_dataloader)
+            try:
+                return next(self._data_iterator)
+            except StopIteration:
+                self._data_iterator = None
+                self._epoch += 1
+
+    def set_data_post_process_func(self, post_process_func: Callable[[Any, dict], Any] | None) -> None:
+        """Apply ``post_process_func(batch, sampler_state)`` to every batch of the engine's data loader."""
+        if self.training_dataloader is not None:
+            self.training_dataloader.post_process_func = post_process_func
+
+    # ---- checkpoints ---------------------------------------------------------------------
+    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
+        """``exclude_frozen_parameters`` (LoRA / prefix tuning): save the trainable weights and a fingerprint of
+        the frozen base instead of the base; loading checks the fingerprint."""
+        save_engine_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        return load_engine_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
+                                      load_optimizer_states=load_optimizer_states,
+                                      load_lr_scheduler_states=load_lr_scheduler_states,
+                                      load_module_only=load_module_only)
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """Rank 0 writes the whole model's weights in the training dtype (DeepSpeed's method).
+
+        At stage 3 the units are gathered one at a time; a ``.safetensors`` file name streams them
+        to disk, so rank 0 never holds more than the largest unit (other names are ``torch.save``d).
+        """
+        units = self.state.units  # stage 3's partitioned units (empty below)
+        if units and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+            log_rank0("save_16bit_model: nothing saved: ZeRO stage 3 keeps the parameters partitioned; set "
+                      "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to gather them "
+                      "(save_checkpoint saves the shards)", rank=self.global_rank)
+            return False
+        save_consolidated(self.module, units, Path(save_dir) / save_filename, rank=self.global_rank,
+                          exclude_frozen=exclude_frozen_parameters, tp_group=self.mesh.group("tp"))
+        comm.barrier()
+        return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
+        """The whole state dict on rank 0 (empty on the others); every rank must call it."""
+        items = iter_consolidated(self.module, self.state.units,
+                                  exclude_frozen=exclude_frozen_parameters, tp_group=self.mesh.group("tp"))
+        gathered = {key: tensor.clone().cpu() for key, tensor in items}
+        return gathered if self.global_rank == 0 else {}
+
+    def destroy(self) -> None:
+        """Release hooks and writers (DeepSpeed's ``engine.destroy()``)."""
+        self.grad_sync.remove_hooks()
+        self.monitor.close()
