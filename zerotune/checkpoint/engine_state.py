@@ -155,7 +155,6 @@ def _load_deepspeed(engine: Engine, directory: Path, tag: str | None, *, strict:
 
     checkpoint, reader = _shared(engine, read)
     load_weights(engine, reader)
-    engine.state.reload_from_model()
     if with_optimizer:
         load_optimizer_state(engine, reader, checkpoint.param_groups)
         engine.global_steps, engine.global_samples = checkpoint.global_steps, checkpoint.global_samples
@@ -199,7 +198,6 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
                                                                       with_optimizer))
     frozen = set(frozen_names(engine)) if "frozen_fingerprint" in saved else set()
     load_weights(engine, reader, skip=frozen)
-    engine.state.reload_from_model()
     if load_module_only:
         return str(directory), saved["client_state"]
     if with_optimizer:

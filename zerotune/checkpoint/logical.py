@@ -30,12 +30,12 @@ from zerotune.parallel.tensor.layout import (
     unshard_tensor,
 )
 from zerotune.parallel.tensor.state_dict import full_shape
+from zerotune.zero.held import MASTER, OPTIM, WEIGHT, tp_of, weight_kind
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 
 if TYPE_CHECKING:
     from zerotune.engine_core import EngineCore as Engine
 
-WEIGHT, MASTER, OPTIM = "weight", "master", "optim."
 
 
 SHARD_FILE_PATTERN = re.compile(r"shard_rank\d+\.pt")
@@ -45,54 +45,14 @@ def shard_file(rank: int) -> str:
     return f"shard_rank{rank}.pt"
 
 
-def _tp_of(param: torch.Tensor) -> list[int] | None:
-    layout = tp_layout_of(param)
-    return None if layout is None else [layout.dim, layout.world, layout.rank, layout.full_size, layout.parts]
-
-
 def rank_pieces(engine: Engine, *, weights: bool, optimizer: bool) -> dict:
-    """This rank's held pieces: ``weights`` the partitioned weights (stage 3), ``optimizer`` the fp32 masters
-    (mixed precision) and the optimizer state. A dict of tensors, numbers and strings (``weights_only``)."""
-    names, state = engine.param_names, engine.state
-    entries: list[dict] = []
-    tensors: dict[str, torch.Tensor] = {}
-    scalars: dict[str, dict] = {}
-
-    def add(param: torch.nn.Parameter, kind: str, offset: int, param_offset: int, length: int,
-            holder: torch.Tensor) -> None:
-        key = f"t{len(entries)}"
-        tensors[key] = holder.detach().reshape(-1)[offset:offset + length].to("cpu", copy=True)
-        entries.append({"key": key, "name": names[id(param)], "kind": kind, "shape": list(full_shape(param)),
-                        "tp": _tp_of(param), "start": param_offset, "stop": param_offset + length})
-
-    if weights:
-        for segment, pieces in state.weight_pieces():
-            local = segment.read_local()
-            for piece in pieces:
-                add(piece.param, WEIGHT, piece.offset, piece.param_offset, piece.length, local)
-    if optimizer and engine.optimizer is not None:
-        for index, (master, pieces) in enumerate(zip(state.masters, state.master_pieces())):
-            if not pieces:
-                continue
-            values, optimizer_state = state.placement.read_master(index, master, engine.optimizer)
-            per_element = {}
-            for key, value in optimizer_state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    if value.numel() != values.numel():
-                        raise CheckpointError(f"optimizer state '{key}' has {value.numel()} elements for a parameter "
-                                              f"shard of {values.numel()}: only per-element optimizer state (Adam, "
-                                              "SGD, Adagrad, Lamb) can be saved by parameter name")
-                    per_element[key] = value
-            others = {k: v for k, v in optimizer_state.items() if k not in per_element}
-            for piece in pieces:
-                if engine.policy.mixed:
-                    add(piece.param, MASTER, piece.offset, piece.param_offset, piece.length, values)
-                for key, value in per_element.items():
-                    add(piece.param, OPTIM + key, piece.offset, piece.param_offset, piece.length, value)
-                if others:
-                    scalars[names[id(piece.param)]] = {k: v.clone() if isinstance(v, torch.Tensor) else v
-                                                       for k, v in others.items()}
-    return {"entries": entries, "scalars": scalars, "tensors": tensors}
+    """This rank's held pieces (``ZeroState.state_dict``): ``weights`` the partitioned weights (stage 3),
+    ``optimizer`` the fp32 masters (mixed precision) and the optimizer state."""
+    try:
+        return engine.state.state_dict(engine.optimizer if optimizer else None, engine.param_names,
+                                       weights=weights, masters=optimizer and engine.policy.mixed)
+    except ValueError as error:
+        raise CheckpointError(str(error)) from None
 
 
 class PieceReader:
@@ -147,7 +107,7 @@ class PieceReader:
     def local(self, name: str, kind: str, param: torch.Tensor) -> torch.Tensor:
         """The flattened values of ``param``'s tensor-parallel piece (the whole tensor without tp) of ``kind``."""
         target = tp_layout_of(param)
-        cache_key = (name, kind, _tp_of(param) and tuple(_tp_of(param)))
+        cache_key = (name, kind, tp_of(param) and tuple(tp_of(param)))
         if self._cache is not None and self._cache[0] == cache_key:
             return self._cache[1]
         if kind == WEIGHT and name in self.whole:
@@ -157,7 +117,7 @@ class PieceReader:
             found = self.index.get((name, kind))
             if not found:
                 raise CheckpointError(f"{self.directory} has no {kind} values for '{name}'")
-            if all(entry["tp"] == _tp_of(param) for _, entry in found):  # saved with this very tp piece
+            if all(entry["tp"] == tp_of(param) for _, entry in found):  # saved with this very tp piece
                 values = self._assemble(name, kind, found, param.numel())
             else:
                 full = self._full(name, kind, found)
@@ -202,11 +162,6 @@ def _module_entries(engine: Engine, skip: set[str]) -> list[tuple[str, str, torc
     return entries
 
 
-def _weight_kind(reader: PieceReader, name: str, param: torch.Tensor) -> str:
-    """fp32 weights come from the fp32 masters when the checkpoint has them (a bf16 run resumed in fp32)."""
-    return MASTER if param.dtype == torch.float32 and reader.has(name, MASTER) else WEIGHT
-
-
 def _lookup(reader: PieceReader, key: str, name: str) -> str:
     return key if reader.has(key, WEIGHT) or reader.has(key, MASTER) else name
 
@@ -229,7 +184,7 @@ def check_fits(engine: Engine, reader: PieceReader, *, strict: bool, skip: set[s
         if shape != tuple(full_shape(tensor)):
             raise CheckpointError(f"{reader.directory} does not fit this model: '{key}' has shape {shape} in the "
                                   f"checkpoint and {tuple(full_shape(tensor))} in the model")
-        needed.append((found, _weight_kind(reader, found, tensor)))
+        needed.append((found, weight_kind(reader, found, tensor)))
     if strict and engine.mesh.size("pp") == 1:  # (a pipeline stage holds only its own layers)
         unexpected = sorted(reader.names() - known - set(skip))
         if unexpected:
@@ -248,54 +203,26 @@ def check_fits(engine: Engine, reader: PieceReader, *, strict: bool, skip: set[s
                 if any_state and not keys:
                     raise CheckpointError(f"{reader.directory} has no optimizer state for '{name}' (saved with "
                                           "another model, or with that parameter frozen)")
-                needed += [(name, _weight_kind(reader, name, torch.empty(0)))] + [(name, OPTIM + k) for k in keys]
+                needed += [(name, weight_kind(reader, name, torch.empty(0)))] + [(name, OPTIM + k) for k in keys]
     return needed
 
 
 @torch.no_grad()
 def load_weights(engine: Engine, reader: PieceReader, skip: set[str] = frozenset()) -> None:
-    """Every weight and buffer of this rank, at its layout (checked by ``check_fits``)."""
-    for segment, pieces in engine.state.weight_pieces():  # stage 3: this rank's shard of each segment
-        local = segment.read_local()
-        for piece in pieces:
-            name = engine.param_names[id(piece.param)]
-            if name in skip or reader.shape(name) is None:
-                continue
-            values = reader.local(name, _weight_kind(reader, name, piece.param), piece.param)
-            local[piece.offset:piece.offset + piece.length] = values[piece.param_offset:piece.param_offset + piece.length]
-        segment.overwrite_local(local, notify=False)
+    """Every weight and buffer of this rank, at its layout (checked by ``check_fits``): the module's own
+    tensors here, the partitioned ones (stage 3) by the state; the masters follow the weights."""
     for key, name, tensor in _module_entries(engine, skip):
         found = _lookup(reader, key, name)
         if sharded_param_of(tensor) is not None or reader.shape(found) is None:
             continue
-        tensor.data.copy_(reader.local(found, _weight_kind(reader, found, tensor), tensor).view(tensor.shape))
+        tensor.data.copy_(reader.local(found, weight_kind(reader, found, tensor), tensor).view(tensor.shape))
+    engine.state.load_state_dict(reader, None, engine.param_names, skip=skip)
 
 
 @torch.no_grad()
 def load_optimizer_state(engine: Engine, reader: PieceReader, saved_groups: list | None) -> None:
-    """The fp32 masters (from the saved masters, or the weights of an fp32 checkpoint) and the optimizer state
-    of every master this rank holds, then the groups' settings."""
-    state, optimizer = engine.state, engine.optimizer
-    for index, (master, pieces) in enumerate(zip(state.masters, state.master_pieces())):
-        if not pieces:
-            continue
-        current, _ = state.placement.read_master(index, master, optimizer)
-        values = current.detach().reshape(-1).clone()  # (keeps the padding of the last rank's slice)
-        for piece in pieces:
-            name = engine.param_names[id(piece.param)]
-            source = reader.local(name, _weight_kind(reader, name, values), piece.param)
-            values[piece.offset:piece.offset + piece.length] = source[piece.param_offset:piece.param_offset + piece.length]
-        first = engine.param_names[id(pieces[0].param)]
-        optimizer_state = dict(reader.scalars.get(first, {}))
-        for key in reader.optimizer_keys(first):
-            tensor = torch.zeros_like(values)
-            for piece in pieces:
-                source = reader.local(engine.param_names[id(piece.param)], OPTIM + key, piece.param)
-                tensor[piece.offset:piece.offset + piece.length] = \
-                    source[piece.param_offset:piece.param_offset + piece.length]
-            optimizer_state[key] = tensor
-        if not reader.optimizer_keys(first):
-            optimizer_state = {}
-        state.placement.write_master(index, master, optimizer, values, optimizer_state)
-    for group, saved in zip(optimizer.param_groups, saved_groups or []):
+    """The fp32 masters and optimizer state of every master this rank holds (``ZeroState.load_state_dict``),
+    then the groups' settings."""
+    engine.state.load_state_dict(reader, engine.optimizer, engine.param_names, weights=False)
+    for group, saved in zip(engine.optimizer.param_groups, saved_groups or []):
         group.update({k: v for k, v in saved.items() if k != "params"})

@@ -74,3 +74,9 @@ class ZeroState(Protocol):
         """Per master (in ``masters`` order), the parameter parts it holds: what a checkpoint saves by name."""
     def weight_pieces(self) -> list[tuple[Any, list[HeldPiece]]]:
         """Per partitioned weight shard (stage 3), the shard's holder and the parameter parts in it."""
+    def state_dict(self, optimizer: torch.optim.Optimizer | None, names: dict[int, str], *, weights: bool,
+                   masters: bool) -> dict:
+        """What this rank holds, by parameter name and range (``zero/held.py``): loadable at any layout."""
+    def load_state_dict(self, source: Any, optimizer: torch.optim.Optimizer | None, names: dict[int, str], *,
+                        weights: bool = True, skip: set[str] = frozenset()) -> None:
+        """Take what this rank holds now from a source of pieces saved at any layout."""

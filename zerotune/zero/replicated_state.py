@@ -17,10 +17,10 @@ from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import MasterWeights
 from zerotune.zero.allreduce_sync import AllReduceGradSync
 from zerotune.zero.grad_norm import global_grad_norm
-from zerotune.zero.held import HeldPiece
+from zerotune.zero.held import HeldPiece, HeldStateDict
 
 
-class ReplicatedState:
+class ReplicatedState(HeldStateDict):
     """Full fp32 masters (or the parameters themselves in fp32) and the all-reduce gradient sync."""
 
     def __init__(self, weights: MasterWeights, grad_sync: AllReduceGradSync) -> None:

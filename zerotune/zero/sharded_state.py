@@ -26,7 +26,7 @@ from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.flat_params import FlatParamGroup
 from zerotune.zero.grad_norm import global_grad_norm
-from zerotune.zero.held import HeldPiece, layout_pieces
+from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
 from zerotune.zero.partition import FlatLayout, flat_layout
 
 
@@ -48,7 +48,7 @@ def _range_writer(shard: torch.Tensor):
     return write
 
 
-class ShardedState:
+class ShardedState(HeldStateDict):
     """Flat parameters + master shards of every param group, and the step phases that use them."""
 
     def __init__(self, group_params: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,

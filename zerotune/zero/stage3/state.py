@@ -20,7 +20,7 @@ from zerotune.distributed import comm
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.grad_norm import global_grad_norm
-from zerotune.zero.held import HeldPiece, layout_pieces
+from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
 from zerotune.zero.stage3.schedule import UnitScheduler
 from zerotune.zero.stage3.segment import FlatSegment
 from zerotune.zero.stage3.unit import ParamUnit
@@ -41,7 +41,7 @@ def _group_ranges(unit: ParamUnit, group_of: dict[int, int], n_groups: int) -> l
     return ranges
 
 
-class Stage3State:
+class Stage3State(HeldStateDict):
     """Masters, optimizer groups and step phases over partitioned units (the engine's state interface)."""
 
     def __init__(self, trainable_groups: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
