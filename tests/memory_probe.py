@@ -125,10 +125,17 @@ def _allocation_events(roots: Iterable, find_mapped: bool = False) -> Iterator[t
     stack = [(event, False) for event in reversed(list(roots))]
     while stack:
         event, mapped = stack.pop()
-        mapped = mapped or (find_mapped and "from_file" in event.name)
+        mapped = mapped or (find_mapped and "from_file" in _name(event))
         if event.tag == _EventType.Allocation:
             yield event, mapped
         stack.extend((child, mapped) for child in reversed(event.children))
+
+
+def _name(event: object) -> str:
+    try:
+        return event.name
+    except UnicodeDecodeError:  # some Python-frame events carry undecodable bytes
+        return ""
 
 
 def _mib(n: int) -> str:

@@ -23,7 +23,7 @@ from zerotune.engine_data import build_dataloader
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.activation_checkpointing import apply_activation_checkpointing
 from zerotune.initialize_parallel import (check_model_parallel_composes, install_sequence_parallel,
-                                          limit_norm_to_one_holder, parallel_dims, split_tensor_parallel)
+                                          model_parallel_norm, parallel_dims, split_tensor_parallel)
 from zerotune.pipe.engine import PipelineEngine
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.setup import build_pipeline, check_pipeline_composes
@@ -219,8 +219,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         log_rank0("%d parameter(s) require grad but are in no optimizer group and will not be trained (e.g. %s); "
                   "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=env.rank)
     compressor = gradient_compressor(cfg)
-    state = build_zero_state(cfg, groups, trainable, policy, mesh, model, compressor, rank=env.rank)
-    limit_norm_to_one_holder(state, mesh, model if pipelined else None)
+    state = build_zero_state(cfg, groups, trainable, policy, mesh, model, compressor, rank=env.rank,
+                             norm=model_parallel_norm(mesh, model if pipelined else None))
     torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
     if isinstance(torch_optimizer, OneBitAdam):
         if not isinstance(state, ReplicatedState) or compressor is not None:

@@ -17,6 +17,7 @@ from zerotune.parallel.tensor.layout import tp_layout_of
 from zerotune.parallel.tensor.plans import rules_from_config
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.setup import norm_counted_here
+from zerotune.zero.grad_norm import ModelParallelNorm
 
 
 def parallel_dims(raw: Any, world_size: int, model: torch.nn.Module) -> ParallelDims:
@@ -61,7 +62,7 @@ def install_sequence_parallel(model: torch.nn.Module, mesh: ProcessMesh, *, rank
         log_rank0("sequence parallelism: Ulysses attention over %d ranks", mesh.size("sp"), rank=rank)
 
 
-def limit_norm_to_one_holder(state: Any, mesh: ProcessMesh, pipe: PipelineModule | None) -> None:
+def model_parallel_norm(mesh: ProcessMesh, pipe: PipelineModule | None) -> ModelParallelNorm | None:
     """The gradient norm spans the tp and pp ranks; what several of them hold (tp-replicated LayerNorms and
     row biases, weights tied across stages) is counted by one holder (see zero/grad_norm.py)."""
     groups, rules = [], []
@@ -72,5 +73,6 @@ def limit_norm_to_one_holder(state: Any, mesh: ProcessMesh, pipe: PipelineModule
     if pipe is not None and mesh.size("pp") > 1:
         groups.append(mesh.group("pp"))
         rules.append(norm_counted_here(pipe, mesh))
-    if groups:
-        state.set_model_parallel_norm(groups, lambda param: all(rule(param) for rule in rules))
+    if not groups:
+        return None
+    return ModelParallelNorm(tuple(groups), lambda param: all(rule(param) for rule in rules))

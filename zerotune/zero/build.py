@@ -25,6 +25,7 @@ from zerotune.offload.swap_files import AioSettings, SwapStore
 from zerotune.precision.policy import MasterWeights, PrecisionPolicy
 from zerotune.zero.allreduce_sync import AllReduceGradSync
 from zerotune.zero.contracts import ZeroState
+from zerotune.zero.grad_norm import ModelParallelNorm
 from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.sharded_state import ShardedState
 from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync
@@ -49,36 +50,42 @@ def gradient_compressor(cfg: Any) -> TopKCompressor | None:
 
 def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Parameter], policy: PrecisionPolicy,
                      mesh: ProcessMesh, model: torch.nn.Module, compressor: TopKCompressor | None, *,
-                     rank: int) -> ZeroState:
+                     rank: int, norm: ModelParallelNorm | None = None) -> ZeroState:
     """The state of ``zero_optimization.stage`` over ``trainable`` (in ``groups``' optimizer groups); the model
-    is cast to ``policy.param_dtype`` on the way."""
+    is cast to ``policy.param_dtype`` on the way. ``norm``: how the gradient norm spans tp / pp ranks."""
     zero = cfg.zero_optimization
     group = mesh.group("dp_sp")  # the ranks holding the same parameters: gradients are averaged, ZeRO shards over them
     predivide = float(mesh.size("dp_sp")) if cfg.prescale_gradients else float(cfg.gradient_predivide_factor)
     if zero.stage == 0:
-        return _build_stage0(zero, trainable, policy, group, model, predivide, compressor)
+        return _build_stage0(zero, trainable, policy, group, model, predivide, compressor, norm)
     chosen = {id(p) for p in trainable}
     group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
     placement = _master_placement(cfg, rank)
     if zero.stage == 3:
+        if norm is not None:
+            raise NotSupportedYetError("zero_optimization.stage", "3 with tensor or pipeline parallelism is not "
+                                       "supported yet (use stage 1 or 2)")
         return _build_stage3(zero, group_params, policy, group, model, predivide, placement, rank=rank,
                              aio=AioSettings.from_config(cfg.aio))
-    return _build_stage1_or_2(zero, group_params, trainable, policy, group, model, predivide, placement, compressor)
+    return _build_stage1_or_2(zero, group_params, trainable, policy, group, model, predivide, placement, compressor,
+                              norm)
 
 
 def _build_stage0(zero: Any, trainable: list[torch.nn.Parameter], policy: PrecisionPolicy, group: Any,
-                  model: torch.nn.Module, predivide: float, compressor: TopKCompressor | None) -> ReplicatedState:
+                  model: torch.nn.Module, predivide: float, compressor: TopKCompressor | None,
+                  norm: ModelParallelNorm | None) -> ReplicatedState:
     weights = MasterWeights(trainable, policy)  # fp32 masters before the cast
     model.to(policy.param_dtype)
     grad_sync = AllReduceGradSync(trainable, group, bucket_numel=int(zero.reduce_bucket_size),
                                   device=trainable[0].device if trainable else torch.device("cpu"),
                                   predivide_factor=predivide, compressor=compressor)
-    return ReplicatedState(weights, grad_sync)
+    return ReplicatedState(weights, grad_sync, norm)
 
 
 def _build_stage1_or_2(zero: Any, group_params: list[list[torch.nn.Parameter]], trainable: list[torch.nn.Parameter],
                        policy: PrecisionPolicy, group: Any, model: torch.nn.Module, predivide: float,
-                       placement: MasterPlacement, compressor: TopKCompressor | None) -> ShardedState:
+                       placement: MasterPlacement, compressor: TopKCompressor | None,
+                       norm: ModelParallelNorm | None) -> ShardedState:
     bucket = int(zero.reduce_bucket_size)
     if zero.stage == 1:
         def make_grad_sync(flat_groups: list, on_final_grad: Any) -> ReduceAtBoundaryGradSync:
@@ -92,7 +99,8 @@ def _build_stage1_or_2(zero: Any, group_params: list[list[torch.nn.Parameter]], 
                                           predivide_factor=predivide, max_in_flight=2 if zero.overlap_comm else 0,
                                           compressor=compressor, on_final_grad=on_final_grad)
     state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size),
-                         make_grad_sync=make_grad_sync, placement=placement, stage_grads=zero.stage == 2)
+                         make_grad_sync=make_grad_sync, placement=placement, stage_grads=zero.stage == 2,
+                         model_parallel_norm=norm)
     model.to(policy.param_dtype)  # the flat parameters are already in this dtype; frozen ones and buffers follow
     return state
 

@@ -14,7 +14,8 @@ One function for every layout, so clipping and the fp16 overflow check agree on 
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -58,3 +59,11 @@ def global_grad_norm(grads: Sequence[torch.Tensor], *, shard_group: dist.Process
     total = squares.item()
     return math.sqrt(total) if math.isfinite(total) else float("inf")
 
+
+@dataclass(frozen=True)
+class ModelParallelNorm:
+    """The norm also sums over ``groups`` (tp, pp); parameters for which ``counted_here`` is False are counted
+    by another holder (tp-replicated LayerNorms on tp rank 0, a tied weight on its first stage)."""
+
+    groups: tuple
+    counted_here: Callable[[torch.nn.Parameter], bool]

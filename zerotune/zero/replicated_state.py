@@ -8,7 +8,7 @@ and identical on all ranks), so the global norm needs no communication.
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -16,15 +16,17 @@ import torch.distributed as dist
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import MasterWeights
 from zerotune.zero.allreduce_sync import AllReduceGradSync
-from zerotune.zero.grad_norm import global_grad_norm
+from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
 from zerotune.zero.held import HeldPiece, HeldStateDict
 
 
 class ReplicatedState(HeldStateDict):
     """Full fp32 masters (or the parameters themselves in fp32) and the all-reduce gradient sync."""
 
-    def __init__(self, weights: MasterWeights, grad_sync: AllReduceGradSync) -> None:
-        """``weights``: the masters, taken while the parameters still held their fp32 values (before the cast)."""
+    def __init__(self, weights: MasterWeights, grad_sync: AllReduceGradSync,
+                 model_parallel_norm: ModelParallelNorm | None = None) -> None:
+        """``weights``: the masters, taken while the parameters still held their fp32 values (before the cast);
+        ``model_parallel_norm``: with tensor / pipeline parallelism, how the norm spans the model-parallel ranks."""
         self.policy = policy = weights.policy
         self.weights = weights
         self.separate = policy.mixed
@@ -32,6 +34,9 @@ class ReplicatedState(HeldStateDict):
         self.grad_sync = grad_sync
         self._model_groups: list[dist.ProcessGroup] = []
         self._norm_skip: list[list[tuple[int, int]]] | None = None
+        if model_parallel_norm is not None:
+            self._model_groups = list(model_parallel_norm.groups)
+            self._norm_skip = [[(0, p.numel())] if not model_parallel_norm.counted_here(p) else [] for p in self.params]
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -69,13 +74,6 @@ class ReplicatedState(HeldStateDict):
         if self._model_groups:
             return global_grad_norm(grads, model_groups=self._model_groups, skip=self._norm_skip)
         return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
-
-    def set_model_parallel_norm(self, groups: Sequence[dist.ProcessGroup],
-                                counted_here: Callable[[torch.nn.Parameter], bool]) -> None:
-        """Model parallelism: the norm also sums over ``groups`` (tp, pp); parameters for which
-        ``counted_here`` is False are left to another holder (see ``zero/grad_norm.py``)."""
-        self._model_groups = list(groups)
-        self._norm_skip = [[(0, p.numel())] if not counted_here(p) else [] for p in self.params]
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self.placement.attach(self.masters, grads, coefficient)

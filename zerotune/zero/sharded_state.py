@@ -25,7 +25,7 @@ from zerotune.distributed import comm
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.flat_params import FlatParamGroup
-from zerotune.zero.grad_norm import global_grad_norm
+from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
 from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
 from zerotune.zero.partition import FlatLayout, flat_layout
 
@@ -54,7 +54,8 @@ class ShardedState(HeldStateDict):
     def __init__(self, group_params: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
                  group: dist.ProcessGroup | None, *, allgather_bucket_numel: int,
                  make_grad_sync: Callable[[list[FlatParamGroup], Callable | None], Any],
-                 placement: MasterPlacement | None = None, stage_grads: bool = False) -> None:
+                 placement: MasterPlacement | None = None, stage_grads: bool = False,
+                 model_parallel_norm: ModelParallelNorm | None = None) -> None:
         """Call while the parameters still hold their fp32 values: masters are taken before rounding.
 
         ``make_grad_sync(flat_groups, on_final_grad)``: the stage's gradient sync over the flat groups;
@@ -88,6 +89,14 @@ class ShardedState(HeldStateDict):
         self.grad_sync = make_grad_sync(self.flat_groups, on_final_grad)
         self._model_groups: list[dist.ProcessGroup] = []
         self._norm_skip: list[list[tuple[int, int]]] | None = None
+        if model_parallel_norm is not None:  # a part another model-parallel rank counts is skipped here
+            self._model_groups = list(model_parallel_norm.groups)
+            self._norm_skip = []
+            for fg in self.flat_groups:
+                start, end = fg.layout.owned_range(fg.rank)
+                self._norm_skip.append([(piece.flat_offset - start, piece.flat_offset - start + piece.length)
+                                        for piece in fg.layout.pieces_in(start, end)
+                                        if not model_parallel_norm.counted_here(fg.params[piece.param])])
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -121,17 +130,6 @@ class ShardedState(HeldStateDict):
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         return global_grad_norm(grads, shard_group=self.group, model_groups=self._model_groups, skip=self._norm_skip)
-
-    def set_model_parallel_norm(self, groups: Sequence[dist.ProcessGroup],
-                                counted_here: Callable[[torch.nn.Parameter], bool]) -> None:
-        """Model parallelism: the norm also sums over ``groups`` (tp, pp); parameters for which
-        ``counted_here`` is False are left to another holder (see ``zero/grad_norm.py``)."""
-        self._model_groups = list(groups)
-        self._norm_skip = []
-        for fg in self.flat_groups:
-            start, end = fg.layout.owned_range(fg.rank)
-            self._norm_skip.append([(piece.flat_offset - start, piece.flat_offset - start + piece.length)
-                                    for piece in fg.layout.pieces_in(start, end) if not counted_here(fg.params[piece.param])])
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self.placement.attach(self.masters, grads, coefficient)
