@@ -113,3 +113,25 @@ def test_export_refusals_are_one_line_and_leave_nothing(tmp_path: Path, capsys) 
     assert "exists and is not empty" in capsys.readouterr().err
     assert main(["export", str(tmp_path / "nothing"), str(tmp_path / "out")]) == 2
     assert "zerotune export: " in capsys.readouterr().err
+
+
+def _train_prefix(save_dir: str) -> dict:
+    from peft import PrefixTuningConfig, TaskType, get_peft_model
+
+    model = get_peft_model(make_gpt2(), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+    engine, *_ = zerotune.initialize(model=model, config=_config(0))
+    engine_run(engine, gpt2_batch, steps=2, gas=1, global_rows=2)
+    engine.save_checkpoint(save_dir, exclude_frozen_parameters=True)
+    prompt = engine.module.prompt_encoder["default"].embedding.weight.detach().clone()
+    engine.destroy()
+    return {"prompt": prompt}
+
+
+def test_prefix_tuning_export_gives_the_adapter_peft_loads(tmp_path: Path) -> None:
+    from peft import PeftModel
+
+    trained = run_distributed(_train_prefix, 1, str(tmp_path / "ckpt"))[0]
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "adapter")]) == 0
+    loaded = PeftModel.from_pretrained(make_gpt2(), tmp_path / "adapter")
+    torch.testing.assert_close(loaded.prompt_encoder["default"].embedding.weight, trained["prompt"], rtol=0, atol=0)
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "merged"), "--merge"]) == 2
