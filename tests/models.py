@@ -161,3 +161,21 @@ def gpt2_traces_across_resume(config: dict, directory: str, *, warm_steps: int,
     resumed.load_checkpoint(directory, tag="t")
     second = engine_run(resumed, later, steps=3, gas=2, global_rows=4)
     return first.losses + first.grad_norms, second.losses + second.grad_norms
+
+
+# ---- a pipeline model: a tied input projection, 3 hidden Linear + Tanh pairs, the projection reused ----------
+def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return x @ module.weight
+
+
+def pipeline_layers(width: int) -> list:
+    """8 layers: a tied input projection, 6 hidden layers, the tied projection reused (transposed) at the end."""
+    from zerotune.pipe import LayerSpec, TiedLayerSpec
+
+    hidden = [LayerSpec(nn.Linear, width, width) if i % 2 == 0 else LayerSpec(nn.Tanh) for i in range(6)]
+    return ([TiedLayerSpec("proj", nn.Linear, width, width, bias=False)] + hidden
+            + [TiedLayerSpec("proj", nn.Linear, width, width, bias=False, forward_fn=_transposed)])
+
+
+def mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(outputs, labels)

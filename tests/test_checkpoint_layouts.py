@@ -19,8 +19,8 @@ from torch import nn
 
 import zerotune
 from tests.harness import run_distributed
-from tests.models import Trace, assert_close_traces, engine_run, gpt2_batch, make_gpt2
-from zerotune.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from tests.models import Trace, assert_close_traces, engine_run, gpt2_batch, make_gpt2, mse, pipeline_layers
+from zerotune.pipe import PipelineModule
 
 SAVE_AT, CONTINUE, GAS, ROWS, REL = 3, 5, 2, 8, 1e-6
 
@@ -87,22 +87,8 @@ def test_a_gpt2_checkpoint_continues_at_another_layout(tmp_path: Path, case: str
 WIDTH = 16
 
 
-def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return x @ module.weight
-
-
-def _layers() -> list:
-    hidden = [LayerSpec(nn.Linear, WIDTH, WIDTH) if i % 2 == 0 else LayerSpec(nn.Tanh) for i in range(6)]
-    return ([TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False)] + hidden
-            + [TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=_transposed)])
-
-
-def _mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(outputs, labels)
-
-
 def _pipe(stages: int) -> PipelineModule:
-    return PipelineModule(_layers(), num_stages=stages, loss_fn=_mse, seed_layers=True, base_seed=7)
+    return PipelineModule(pipeline_layers(WIDTH), num_stages=stages, loss_fn=mse, seed_layers=True, base_seed=7)
 
 
 class _Unsplit(nn.Module):
@@ -147,7 +133,7 @@ def _run_unsplit(engine, first: int, steps: int) -> Trace:
         total = torch.zeros(())
         for micro in range(GAS):
             x, y = _rows(_micro_batch(step, micro), rank, world)
-            loss = _mse(engine(x), y)
+            loss = mse(engine(x), y)
             engine.backward(loss)
             engine.step()
             total += loss.detach()

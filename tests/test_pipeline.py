@@ -17,7 +17,7 @@ from torch import nn
 
 import zerotune
 from tests.harness import run_distributed
-from tests.models import Trace, assert_close_traces
+from tests.models import Trace, assert_close_traces, mse, pipeline_layers
 from zerotune.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zerotune.pipe.partition import PartitionError, balanced_boundaries
 from zerotune.pipe.schedule import ScheduleError, build_schedule, max_in_flight
@@ -25,23 +25,8 @@ from zerotune.pipe.schedule import ScheduleError, build_schedule, max_in_flight
 STEPS, GAS, CLIP, ROWS, WIDTH = 6, 4, 0.5, 8, 16
 
 
-def _transposed(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return x @ module.weight
-
-
-def _layers() -> list:
-    """8 layers: a tied input projection, 6 hidden layers, the tied projection reused (transposed) at the end."""
-    hidden = [LayerSpec(nn.Linear, WIDTH, WIDTH) if i % 2 == 0 else LayerSpec(nn.Tanh) for i in range(6)]
-    return ([TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False)] + hidden
-            + [TiedLayerSpec("proj", nn.Linear, WIDTH, WIDTH, bias=False, forward_fn=_transposed)])
-
-
-def _mse(outputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(outputs, labels)
-
-
 def _pipe(stages: int, checkpoint_interval: int = 0) -> PipelineModule:
-    return PipelineModule(_layers(), num_stages=stages, loss_fn=_mse, seed_layers=True, base_seed=7,
+    return PipelineModule(pipeline_layers(WIDTH), num_stages=stages, loss_fn=mse, seed_layers=True, base_seed=7,
                           activation_checkpoint_interval=checkpoint_interval)
 
 
@@ -58,7 +43,7 @@ def _reference() -> Trace:
         total = 0.0
         for micro in range(GAS):
             x, y = _micro_batch(step, micro, ROWS)
-            loss = _mse(model(x), y)
+            loss = mse(model(x), y)
             (loss / GAS).backward()
             total += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
@@ -159,12 +144,12 @@ def test_checkpoint_resume_is_bit_identical_and_eval_batch_returns_the_loss_on_e
     for step in range(STEPS):
         for micro in range(GAS):
             x, y = _micro_batch(step, micro, ROWS)
-            (_mse(reference(x), y) / GAS).backward()
+            (mse(reference(x), y) / GAS).backward()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
         optimizer.step()
         optimizer.zero_grad()
     with torch.no_grad():
-        expected_eval = sum(_mse(reference(x), y).item() for x, y in (_micro_batch(99, m, ROWS) for m in range(GAS))) / GAS
+        expected_eval = sum(mse(reference(x), y).item() for x, y in (_micro_batch(99, m, ROWS) for m in range(GAS))) / GAS
     for first, second, evaluated in results:
         assert first == second
         assert abs(evaluated - expected_eval) <= 1e-5 * expected_eval
