@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from zerotune.distributed import comm
-from zerotune.engine_core import EngineCore, loss_from_output, map_tensors
+from zerotune.engine_core import EngineCore, check_batch_not_empty, loss_from_output, map_tensors
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
 
 
@@ -38,6 +38,7 @@ class Engine(EngineCore):
 
     # ---- one micro-step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        check_batch_not_empty((args, kwargs), self.global_steps + 1, self.micro_steps, self.global_rank)
         if self.policy.mixed:
             dtype = self.policy.param_dtype
 

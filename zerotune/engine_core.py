@@ -15,6 +15,7 @@ schedule in ``train_batch``. Neither has the other's methods.
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -32,7 +33,7 @@ from zerotune.monitor.step_report import StepReporter
 from zerotune.monitor.throughput import ThroughputTimer
 from zerotune.monitor.timers import WallClockTimers
 from zerotune.monitor.writers import ScalarWriters
-from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, StaticLossScaler
+from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, NonFiniteError, StaticLossScaler
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.contracts import ZeroState
 from zerotune.zero.stage3.saving import iter_consolidated, save_consolidated
@@ -60,6 +61,17 @@ def loss_from_output(output: Any) -> torch.Tensor:
         f"train_batch needs the model to return a scalar loss (a 1-element tensor, .loss or ['loss']); "
         f"it returned {type(output).__name__}"
     )
+
+
+def check_batch_not_empty(inputs: Any, step: int, micro_step: int, rank: int) -> None:
+    """A micro-batch whose first tensor has no rows would give a NaN loss (a mean over nothing) and a step."""
+    found: list[torch.Tensor] = []
+    map_tensors(inputs, lambda t: found.append(t) or t)
+    first = next((t for t in found if t.dim() > 0), None)
+    if first is not None and first.shape[0] == 0:
+        raise ValueError(f"empty batch: the micro-batch of optimizer step {step}, micro-step {micro_step}, on rank {rank} "
+                         f"has 0 rows (its first input has shape {tuple(first.shape)}); check the data loader "
+                         "(a shard with fewer samples than ranks, or a filter that dropped every row)")
 
 
 class EngineCore(EngineQueries, torch.nn.Module):
@@ -95,6 +107,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
         self.global_samples = 0
         self.micro_steps = 0
         self.skipped_steps = 0
+        self._consecutive_skips = 0
         self._step_applied = False
         self._last_grad_norm: float | None = None
         self._window_loss: torch.Tensor | None = None
@@ -127,17 +140,12 @@ class EngineCore(EngineQueries, torch.nn.Module):
         grads = self.state.step_grads()
         scale = self.loss_scaler.loss_scale
         scaled_norm = self.state.grad_norm(grads)
-        overflow = not math.isfinite(scaled_norm)
+        overflow = not math.isfinite(scaled_norm)  # the global norm: every rank decides alike
         if overflow:
             self._last_grad_norm = scaled_norm
-            if self.loss_scaler.dynamic and self.loss_scaler.at_minimum:
-                raise LossScaleError(
-                    f"fp16 gradient overflow at the minimum loss scale {scale:g}; the first parameter with an "
-                    f"inf/nan gradient is '{self.state.first_nonfinite_param(self.param_names)}'. Lower the learning rate, use bf16, "
-                    "or lower zero_optimization/fp16.min_loss_scale"
-                )
-            self.skipped_steps += 1
+            self._skip_non_finite_step(scaled_norm, scale)
         else:
+            self._consecutive_skips = 0
             norm = scaled_norm / scale
             self._last_grad_norm = norm
             coefficient = 1.0 / scale
@@ -162,6 +170,33 @@ class EngineCore(EngineQueries, torch.nn.Module):
         self.zero_grad()
         for hook in self._post_step_hooks:
             hook(self)
+
+    def _skip_non_finite_step(self, norm: float, scale: float) -> None:
+        """A non-finite gradient norm skips the step, in every precision. An fp16 overflow is routine while the
+        dynamic loss scale settles (the step report counts them); in bf16 / fp32 no scale will fix it, so each
+        skip is a warning naming the first non-finite parameter. ``max_consecutive_skipped_steps`` in a row, or
+        an overflow at the minimum loss scale, stops the run."""
+        self.skipped_steps += 1
+        self._consecutive_skips += 1
+        limit = self._config.max_consecutive_skipped_steps
+        at_minimum = self.loss_scaler.dynamic and self.loss_scaler.at_minimum
+        routine = self.fp16_enabled() and self.loss_scaler.dynamic
+        if routine and not at_minimum and self._consecutive_skips < limit:
+            return
+        name = self.state.first_nonfinite_param(self.param_names)  # (a collective: every rank is here)
+        loss = self._window_loss.item() if self._window_loss is not None else None
+        cause = (f"the gradient norm is {norm} in {self.policy.name}; the first parameter with a non-finite gradient "
+                 f"is '{name}'" + (f", and this rank's loss is {loss}" if loss is not None and not math.isfinite(loss)
+                                   else ""))
+        if at_minimum:
+            raise LossScaleError(f"fp16 gradient overflow at the minimum loss scale {scale:g}: {cause}. Lower the "
+                                 "learning rate, use bf16, or lower fp16.min_loss_scale")
+        if self._consecutive_skips >= limit:
+            first = self.global_steps - self._consecutive_skips + 2
+            raise NonFiniteError(f"{self._consecutive_skips} optimizer steps in a row (steps {first}-"
+                                 f"{self.global_steps + 1}) were skipped: {cause}. Check the data and the learning "
+                                 "rate (max_consecutive_skipped_steps sets how many skips in a row stop the run)")
+        log_rank0("step %d skipped: %s", self.global_steps + 1, cause, rank=self.global_rank, level=logging.WARNING)
 
     def _advance_compression(self, overflow: bool, scale_before: float) -> None:
         """Residuals follow the loss scale (they hold scaled gradients) and are dropped after an overflow;

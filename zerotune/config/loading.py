@@ -22,6 +22,7 @@ from pydantic import ValidationError
 
 from .errors import ConfigError, NotSupportedError
 from .files import read_config_file
+from .numbers import check_hyperparameters
 from .pydantic_errors import show_value, translate
 from .schema import ZeroTuneConfig
 from .section import Section
@@ -59,6 +60,7 @@ def config_from_dict(raw: dict[str, Any]) -> ZeroTuneConfig:
     except RecursionError:
         raise ConfigError("", "config is nested too deeply") from None
     check_cross_section(cfg)
+    check_hyperparameters(cfg)
     cfg._provenance.update(_given_provenance(cfg, normalized))
     cfg._notes.extend(notes)
     return cfg

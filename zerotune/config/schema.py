@@ -123,6 +123,9 @@ class ZeroTuneConfig(Section):
     """Ulysses sequence-parallel degree; 1 disables sequence parallelism."""
     steps_per_print: AutoPosInt = 10
     """Log progress every this many optimizer steps."""
+    max_consecutive_skipped_steps: AutoPosInt = 20
+    """zerotune: stop with an error after this many optimizer steps in a row were skipped for a non-finite
+    gradient norm (fp16 overflows included: a dynamic loss scale recovers in far fewer), in every precision."""
     wall_clock_breakdown: AutoBool = False
     """Time forward, backward and step separately and log the breakdown."""
     memory_breakdown: AutoBool = False

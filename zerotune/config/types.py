@@ -37,8 +37,8 @@ def _number(value: Any) -> Any:
     """Accept ints and floats as floats; reject bools and numeric-looking strings."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"expected a number, got {type(value).__name__}")
-    if isinstance(value, float) and math.isnan(value):
-        raise ValueError("expected a number, got NaN")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value}")
     return float(value)
 
 

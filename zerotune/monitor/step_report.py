@@ -135,7 +135,8 @@ class StepReporter:
 
     def _skipped_summary(self, loss_scale: float | None) -> str:
         noun = "step" if self._skipped == 1 else "steps"
-        summary = f"skipped {self._skipped} {noun} (fp16 overflow) in this window"
+        why = "fp16 overflow" if loss_scale is not None else "non-finite gradient norm"  # (loss_scale: fp16 only)
+        summary = f"skipped {self._skipped} {noun} ({why}) in this window"
         if loss_scale is not None and self._scale_at_start is not None and loss_scale != self._scale_at_start:
             summary += f", loss scale {_format_scale(self._scale_at_start)} -> {_format_scale(loss_scale)}"
         return summary

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
-from zerotune.engine_core import EngineCore, map_tensors
+from zerotune.engine_core import EngineCore, check_batch_not_empty, map_tensors
 from zerotune.parallel.tensor.state_dict import iter_full_tensors
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.p2p import ACTIVATION_TAG, GRADIENT_TAG, as_tuple, recv_tensors, send_tensors
@@ -206,6 +206,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         labels = None
         if self.is_first_stage() or self.is_last_stage():
             batch = next(data_iter) if data_iter is not None else self._next_default_batch()
+            check_batch_not_empty(batch, self.global_steps + 1, self.micro_steps, self.global_rank)
             inputs, labels = self.batch_fn(map_tensors(batch, lambda t: t.to(self.device)))
         if self.is_first_stage():
             if self.policy.mixed:

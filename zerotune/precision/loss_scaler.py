@@ -16,6 +16,10 @@ class LossScaleError(FloatingPointError):
     """Overflow while the scale is already at its minimum: training cannot make progress."""
 
 
+class NonFiniteError(FloatingPointError):
+    """Too many optimizer steps in a row had a non-finite gradient norm: the run would go on with garbage."""
+
+
 @dataclass
 class StaticLossScaler:
     """A fixed scale (``fp16.loss_scale`` > 0, or 1.0 for fp32/bf16). Overflowing steps are still skipped."""
