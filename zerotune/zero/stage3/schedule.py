@@ -1,21 +1,23 @@
-"""When each unit is gathered, released and reduced: the module hooks and the execution order.
+"""When each unit is gathered, released and reduced: the module hooks and one order every rank follows.
 
-Forward, per unit: gather before the module runs (and prefetch the next units in the order
-recorded on the previous forward, up to ``prefetch_numel`` elements and while the live total
-stays under ``max_live_numel``), release after it (except persistent units, and the root unit,
-which is used again first thing in backward). A hook on the unit's outputs re-gathers it (and
-prefetches in the recorded backward order) when backward reaches it.
+Every rank must issue the same gathers and reduce-scatters in the same order, whatever its data did
+-- a branch one rank skips, an expert that gets no tokens, a module nobody calls. So collectives are
+driven by a *cursor* over a fixed order of units (model order, root first), never by what ran:
 
-A unit's backward is over when (a) every trainable parameter's gradient was accumulated and (b)
-the gradients of the unit's inputs that require grad were computed (an identity autograd
-function on the inputs reports it). Then its gradient is reduce-scattered and it is released.
-Requiring (b) as well keeps frozen weights gathered while backward still needs them to
-propagate gradients (LoRA: the base weight is needed after the adapter's gradients are done).
+* forward: when a unit is about to run, every unit the cursor passes on the way to it is gathered
+  and released unused (a rank that skipped a branch still takes part in its gather); at the end of
+  the root's forward the cursor passes the rest. Prefetch gathers the units that follow in that order.
+* backward, over the *leaf* units (those containing no other unit) in reverse order: entering a unit
+  (its outputs' gradient hook, or its recomputation under activation checkpointing) passes every
+  unit before it -- each is gathered if this rank never did, and its gradient reduce-scattered (zeros
+  for what this rank did not use); the end of backward passes the rest. A gradient that arrives after
+  its unit was passed (autograd ran it late) is kept, and one tiny all-reduce at the end of backward
+  tells every rank which units need a second reduce-scatter, so all ranks issue it.
+* *container* units (the root, and any unit whose module holds other units) stay gathered from their
+  forward to the end of backward and are reduced then, in order.
 
-An end-of-backward callback handles what never completed: parameters that got no gradient,
-units called but unused, prefetched units. Every unit with trainable parameters is reduced
-exactly once per micro-step, in a fixed order for the stragglers, so all ranks issue the same
-collectives. A module may run more than once per forward: it is gathered again when needed.
+A passed unit is released once the gradients of its inputs exist (its frozen weights, e.g. LoRA's base,
+are needed until then); releasing issues no collective, so its timing may differ between ranks.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from collections import deque
 from typing import Any, Callable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
+from zerotune.distributed import comm
 from zerotune.zero.grad_hooks import register_grad_ready_hooks
 from zerotune.zero.stage3.unit import ParamUnit
 
@@ -73,17 +77,24 @@ class UnitScheduler:
         self.pre_factor = float(predivide_factor)
         self.post_factor = self.pre_factor / world
         self.max_in_flight = max_in_flight
-        self.forward_order: list[ParamUnit] = []
-        self.backward_order: list[ParamUnit] = []
-        self._forward_trace: list[ParamUnit] = []
-        self._backward_trace: list[ParamUnit] = []
         self._in_backward = False
         self._boundary = False
         self.on_final_grad = on_final_grad
         """A unit's gradient slice is final (last micro-step), e.g. to copy it to the host during backward."""
         self._reducing: deque[ParamUnit] = deque()
         self._pending_inputs: dict[int, int] = {}
-        self._grads_complete: set[int] = set()
+        self._index = {id(u): i for i, u in enumerate(self.units)}
+        unit_modules = {id(u.module) for u in self.units}
+        self._containers = {id(u) for u in self.units if u.is_root or any(
+            id(m) in unit_modules for m in u.module.modules() if m is not u.module)}
+        self._leaves = [u for u in reversed(self.units) if id(u) not in self._containers]  # backward order
+        self._leaf_position = {id(u): i for i, u in enumerate(self._leaves)}
+        self._forward_cursor = len(self.units)
+        self._backward_cursor = 0
+        self._entered: set[int] = set()  # units gathered for this backward
+        self._passed: set[int] = set()   # units whose backward the cursor has passed (reduced)
+        self._late: set[int] = set()     # passed units that got a gradient afterwards
+        self._reduced_again: set[int] = set()  # late units whose first reduce is not their final gradient
         self._unit_of = {id(p): u for u in self.units if u.trainable for p in u.trainable.params}
         self._hooks = [self.units[0].module.register_state_dict_post_hook(
             lambda *hook_args: self._refuse_placeholders(*hook_args))] if self.units else []
@@ -106,17 +117,30 @@ class UnitScheduler:
 
     # ---- forward -------------------------------------------------------------------------
     def _pre_forward(self, unit: ParamUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if unit.is_root and not _in_backward():
-            self._forward_trace = []
-        if not _in_backward():
-            self._forward_trace.append(unit)
-        unit.start_gather()
-        if not _in_backward():
-            self._prefetch(self.forward_order, len(self._forward_trace) - 1, unit)
-        unit.finish_gather()
+        if _in_backward():  # activation-checkpoint recomputation: the unit's backward begins
+            self._enter_backward()
+            self._enter_unit_backward(unit)
+        else:
+            index = self._index[id(unit)]
+            if unit.is_root:
+                self._forward_cursor = 1
+            elif index >= self._forward_cursor:
+                for skipped in self.units[self._forward_cursor:index]:
+                    self._pass_forward(skipped)
+                self._forward_cursor = index + 1
+            unit.start_gather()
+            self._prefetch(self.units, index + 1, live=sum(u.numel for u in self.units if u.live))
+            unit.finish_gather()
         if torch.is_grad_enabled() and unit.segments and not _in_backward():  # (not in a checkpoint's recompute)
             args, kwargs = self._watch_inputs(unit, args, kwargs)
         return args, kwargs
+
+    def _pass_forward(self, unit: ParamUnit) -> None:
+        """A unit this rank's forward did not run: gathered with everyone, then released."""
+        unit.start_gather()
+        unit.finish_gather()
+        if not unit.persistent:
+            unit.release()
 
     def _watch_inputs(self, unit: ParamUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         flat = list(args) + list(kwargs.values())
@@ -133,20 +157,21 @@ class UnitScheduler:
         outputs = [t for t in _tensors_in(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grad, u=unit: self._pre_backward(u), mode="any")
-        if unit.is_root and not _in_backward():
-            if self._forward_trace != self.forward_order:
-                self.forward_order = list(self._forward_trace)
-        keep = unit.persistent or _in_backward() or (unit.is_root and outputs and torch.is_grad_enabled())
-        if not keep:
+        if unit.is_root and not _in_backward():  # the end of forward: the cursor passes what nobody ran here
+            for skipped in self.units[self._forward_cursor:]:
+                self._pass_forward(skipped)
+            self._forward_cursor = len(self.units)
+        container = id(unit) in self._containers and torch.is_grad_enabled() and not _in_backward()
+        if not (unit.persistent or _in_backward() or container):
             unit.release()
 
-    def _prefetch(self, order: list[ParamUnit], position: int, current: ParamUnit) -> None:
-        """Start gathering the units that follow ``current`` in the recorded order (same on every rank)."""
-        if self.prefetch_numel <= 0 or position >= len(order) or order[position] is not current:
-            return
+    def _prefetch(self, order: list[ParamUnit], start: int, live: int) -> None:
+        """Start gathering the units from ``order[start]`` on, within the prefetch and live budgets; ``order`` and
+        ``live`` are the same on every rank, so every rank prefetches the same units."""
         budget = self.prefetch_numel
-        live = sum(u.numel for u in self.units if u.live)
-        for unit in order[position + 1:]:
+        if budget <= 0:
+            return
+        for unit in order[start:]:
             if unit.live:
                 continue
             if unit.numel > budget or live + unit.numel > self.max_live_numel or not unit.can_swap_in:
@@ -159,34 +184,59 @@ class UnitScheduler:
     def _enter_backward(self) -> None:
         if not self._in_backward:
             self._in_backward = True
-            self._backward_trace = []
+            self._backward_cursor = 0
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
     def _pre_backward(self, unit: ParamUnit) -> None:
         self._enter_backward()
-        self._backward_trace.append(unit)
+        self._enter_unit_backward(unit)
+
+    def _enter_unit_backward(self, unit: ParamUnit) -> None:
+        """``unit``'s backward begins: pass the leaf units before it in backward order, then gather it."""
+        position = self._leaf_position.get(id(unit))
+        if position is not None and position >= self._backward_cursor and id(unit) not in self._entered:
+            for passed in self._leaves[self._backward_cursor:position]:  # (the unit entered before it included)
+                self._pass_backward(passed)
+            self._backward_cursor = position  # this unit is passed when a later one is entered, or at the end
+            self._entered.add(id(unit))
+            unit.start_gather()
+            self._prefetch(self._leaves, position + 1, live=self._scheduled_live())
+        elif position is None and id(unit) not in self._entered:  # a container (the root first): prefetch the leaves
+            self._entered.add(id(unit))
+            self._prefetch(self._leaves, self._backward_cursor, live=self._scheduled_live())
         unit.start_gather()
-        self._prefetch(self.backward_order, len(self._backward_trace) - 1, unit)
         unit.finish_gather()
+
+    def _scheduled_live(self) -> int:
+        """Gathered units as the schedule sees them (entered, not passed; containers; persistent units): unlike
+        which units are actually gathered, the same on every rank at the same point of the schedule."""
+        return sum(u.numel for u in self.units if u.persistent or id(u) in self._containers
+                   or (id(u) in self._entered and id(u) not in self._passed))
+
+    def _pass_backward(self, unit: ParamUnit) -> None:
+        """The cursor passed ``unit``: take part in its gather if this rank never entered it, reduce its gradient."""
+        if id(unit) not in self._entered:
+            unit.start_gather()
+            unit.finish_gather()
+        self._passed.add(id(unit))
+        if unit.trainable is not None:
+            self._reduce(unit)
+        self._maybe_release(unit)
+
+    def _maybe_release(self, unit: ParamUnit) -> None:
+        if id(unit) in self._passed and self._pending_inputs.get(id(unit), 0) == 0 and not unit.persistent:
+            unit.release()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
         self._enter_backward()
         unit = self._unit_of[id(param)]
-        if unit.add_grad(param):
-            self._grads_complete.add(id(unit))
-            self._maybe_finish(unit)
+        unit.add_grad(param)
+        if unit.reduced:  # arrived after its unit was reduced: a second reduce at the end of backward
+            self._late.add(id(unit))
 
     def _on_inputs_grad(self, unit: ParamUnit) -> None:
         self._pending_inputs[id(unit)] -= 1
-        self._maybe_finish(unit)
-
-    def _maybe_finish(self, unit: ParamUnit) -> None:
-        trainable_done = unit.trainable is None or id(unit) in self._grads_complete
-        if trainable_done and self._pending_inputs.get(id(unit), 0) == 0 and not unit.reduced:
-            if unit.trainable is not None:
-                self._reduce(unit)
-            if not unit.persistent:
-                unit.release()
+        self._maybe_release(unit)
 
     def _reduce(self, unit: ParamUnit) -> None:
         unit.launch_reduce(self.pre_factor)
@@ -196,14 +246,24 @@ class UnitScheduler:
 
     def _retire(self, unit: ParamUnit) -> None:
         unit.finish_reduce(self.post_factor)
-        if self._boundary and self.on_final_grad is not None:
+        if self._boundary and self.on_final_grad is not None and id(unit) not in self._reduced_again:
             self.on_final_grad(unit)
 
     def _end_backward(self) -> None:
-        """After all of backward: reduce what never completed, wait for every reduce, release units."""
+        """After all of backward: pass the remaining leaves, reduce the containers, agree on late gradients,
+        wait for every reduce, release the units."""
+        for unit in self._leaves[self._backward_cursor:]:
+            self._pass_backward(unit)
         for unit in self.units:
-            if unit.trainable is not None and not unit.reduced:
+            if id(unit) in self._containers and unit.trainable is not None:
                 self._reduce(unit)
+        late = self._agree_on_late_gradients()
+        self._reduced_again = {id(u) for u in late}  # (their first reduce is retired first, then the late part)
+        while self._reducing:
+            self._retire(self._reducing.popleft())
+        self._reduced_again.clear()
+        for unit in late:
+            self._reduce(unit)
         while self._reducing:
             self._retire(self._reducing.popleft())
         for unit in self.units:
@@ -211,10 +271,21 @@ class UnitScheduler:
             if not unit.persistent:
                 unit.release()
         self._pending_inputs.clear()
-        self._grads_complete.clear()
-        if self._backward_trace != self.backward_order:
-            self.backward_order = list(self._backward_trace)
+        self._entered.clear()
+        self._passed.clear()
+        self._late.clear()
         self._in_backward = False
+
+    def _agree_on_late_gradients(self) -> list[ParamUnit]:
+        """Units any rank got a gradient for after reducing them: every rank reduces those once more."""
+        trainable = [u for u in self.units if u.trainable is not None]
+        group = trainable[0].group if trainable else None
+        if group is None or dist.get_world_size(group) == 1:
+            return [u for u in trainable if id(u) in self._late]
+        flags = torch.tensor([int(id(u) in self._late) for u in trainable], dtype=torch.int32,
+                             device=trainable[0].grad_shard.device)
+        comm.all_reduce(flags, group, op=dist.ReduceOp.MAX)
+        return [u for u, flag in zip(trainable, flags.tolist()) if flag]
 
     # ---- the engine's gradient-sync interface ---------------------------------------------
     def begin_micro_step(self, is_boundary: bool) -> None:

@@ -1,0 +1,93 @@
+"""ZeRO-3 with parameters that some ranks do not use: a data-dependent branch, a branch one rank skips, a
+module no rank uses. Every rank issues the same gathers and reduce-scatters whatever its data did, so the
+run never hangs, and it reproduces single-process PyTorch (an unused parameter adds a zero gradient on
+that rank) at 2 and 4 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zerotune
+from tests.harness import run_distributed
+from tests.models import Trace, assert_close_traces
+
+STEPS, ROWS, WIDTH = 6, 8, 16
+
+
+class Branchy(nn.Module):
+    """``branch`` runs only where the batch says so; ``never`` is used by no rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, WIDTH)
+        self.branch = nn.Linear(WIDTH, WIDTH)
+        self.never = nn.Linear(WIDTH, WIDTH)
+        self.mid = nn.Linear(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, use_branch: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if bool(use_branch.any()):
+            h = h + torch.tanh(self.branch(h))
+        h = torch.tanh(self.mid(h))
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def _batch(step: int, rank: int, world: int, rule: str) -> dict:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    rows = ROWS // world
+    x, y = torch.randn(rows, 8, generator=generator), torch.randn(rows, 4, generator=generator)
+    use = {"data": bool(x[0, 0] > 0), "rank0-only": rank == 0, "nobody": False}[rule]
+    return {"x": x, "y": y, "use_branch": torch.tensor([use])}
+
+
+def _reference(world: int, rule: str) -> Trace:
+    model = Branchy()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    for param in model.parameters():  # an unused parameter gets a zero gradient (and is stepped), as in ZeRO
+        param.grad = torch.zeros_like(param)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for rank in range(world):  # the data-parallel mean: each rank's slice with its own branch decision
+            loss = model(**_batch(step, rank, world, rule))
+            (loss / world).backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        losses.append(total / world)
+    return Trace(losses, norms)
+
+
+def _zero3_run(rule: str, prefetch: int) -> Trace:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": ROWS // world, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "stage3_prefetch_bucket_size": prefetch}}
+    engine, *_ = zerotune.initialize(model=Branchy(), config=config)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = engine(**_batch(step, rank, world, rule))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        norms.append(engine.get_global_grad_norm())
+    engine.destroy()
+    return Trace(losses, norms)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("rule", ["data", "rank0-only", "nobody"])
+def test_zero3_with_parameters_unused_on_some_ranks_matches_single_process(world: int, rule: str) -> None:
+    expected = _reference(world, rule)
+    for prefetch in (0, 10**6):
+        for trace in run_distributed(_zero3_run, world, rule, prefetch, timeout=60):
+            assert_close_traces(trace, expected, rel=1e-5)
