@@ -18,6 +18,7 @@ from zerotune.config import ConfigError, NotSupportedYetError, assert_implemente
 from zerotune.distributed import comm
 from zerotune.distributed.env import DEFAULT_PORT, init_distributed
 from zerotune.distributed.mesh import build_mesh
+from zerotune.distributed.watchdog import WATCHDOG
 from zerotune.engine import Engine
 from zerotune.engine_data import build_dataloader
 from zerotune.monitor.logging import log_rank0
@@ -181,6 +182,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     mesh = build_mesh(parallel_dims(raw, env.world_size, model), env.device.type)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=_auto_values(raw, model))
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
+    WATCHDOG.start(cfg.comm_timeout_s, rank=env.rank)  # (process-wide: the latest engine's timeout holds)
     for path, message in cfg.notes:
         log_rank0("config %s: %s", path, message, rank=env.rank)
     check_model_parallel_composes(cfg, mesh)

@@ -11,7 +11,8 @@ Two reasons to route everything here:
   ZeRO stages 1 and 2 (reduce-scatter + all-gather), and stage 3 moves 3x;
 * failure reporting -- a collective that fails or times out (a dead or diverging rank) is
   re-raised as ``CommError`` naming the op, this rank and the group size, instead of a bare
-  gloo/NCCL message from deep inside.
+  gloo/NCCL message from deep inside; one still pending after ``comm_timeout_s`` is reported and
+  ends the process (``watchdog.py``).
 
 A group of ``None`` from ``ProcessMesh.group`` means an axis of size 1: nothing to do.
 """
@@ -19,11 +20,14 @@ A group of ``None`` from ``ProcessMesh.group`` means an axis of size 1: nothing 
 from __future__ import annotations
 
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+
+from zerotune.distributed.watchdog import WATCHDOG
 
 ReduceOp = dist.ReduceOp
 
@@ -95,19 +99,36 @@ def run_collective(op: str, group: dist.ProcessGroup | None, nbytes: int, launch
     stats = _stats[op]
     stats.calls += 1
     stats.bytes += nbytes
+    token = WATCHDOG.begin(op, _group_size(group), nbytes)
     try:
         work = launch()
     except Exception as error:  # noqa: BLE001 - re-raised with context
+        WATCHDOG.end(token)
         raise _describe_failure(op, group, error) from error
     handle = Handle(op, group, work)
     if not async_op:
-        handle.wait()
+        try:
+            handle.wait()
+        finally:
+            WATCHDOG.end(token)
+    else:
+        WATCHDOG.issued(token, work)
     return handle
 
 
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases only have the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@contextmanager
+def _watched(op: str, ranks: int, nbytes: int) -> Iterator[None]:
+    """A blocking call the watchdog knows about while it waits."""
+    token = WATCHDOG.begin(op, ranks, nbytes)
+    try:
+        yield
+    finally:
+        WATCHDOG.end(token)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -206,7 +227,8 @@ def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
 def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
     """Blocking point-to-point receive from global rank ``src`` into ``tensor`` (not counted: the sender counts)."""
     try:
-        dist.recv(tensor, src=src, tag=tag)
+        with _watched(f"recv from rank {src}", 2, _nbytes(tensor)):
+            dist.recv(tensor, src=src, tag=tag)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure(f"recv from rank {src}", None, error) from error
 
@@ -217,7 +239,8 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[obje
         return [obj]
     gathered: list[object] = [None] * dist.get_world_size(group)
     try:
-        dist.all_gather_object(gathered, obj, group=group)
+        with _watched("all_gather_object", len(gathered), 0):
+            dist.all_gather_object(gathered, obj, group=group)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure("all_gather_object", group, error) from error
     return gathered
@@ -228,6 +251,7 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
         return
     try:
-        dist.barrier(group=group)
+        with _watched("barrier", _group_size(group) if group is not None else dist.get_world_size(), 0):
+            dist.barrier(group=group)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure("barrier", group, error) from error

@@ -1,0 +1,58 @@
+"""A small data-parallel training run that injects one fault on one rank (for tests/test_faults.py).
+
+    python train.py --fault sigstop|sigkill|raise|none --rank-at-fault 1 --at-step 2 --comm-timeout 10 \
+        --marker DIR
+
+Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Before its fault, the faulty rank writes
+``DIR/fault_time`` (the wall-clock time), so the test can measure how long the others take to end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+import zerotune  # noqa: E402
+from tests.models import make_mlp, mlp_batch  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--fault", choices=["sigstop", "sigkill", "raise", "none"], default="none")
+    parser.add_argument("--rank-at-fault", type=int, default=1)
+    parser.add_argument("--at-step", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--comm-timeout", type=float, default=600.0)
+    parser.add_argument("--stage", type=int, default=0)
+    parser.add_argument("--marker", required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "comm_timeout_s": args.comm_timeout,
+              "zero_optimization": {"stage": args.stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
+    for step in range(args.steps):
+        if step == args.at_step and engine.global_rank == args.rank_at_fault and args.fault != "none":
+            Path(args.marker, "fault_time").write_text(repr(time.time()))
+            if args.fault == "sigstop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif args.fault == "sigkill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                raise RuntimeError(f"injected failure on rank {engine.global_rank} at step {step}")
+        batch = mlp_batch(step, engine.global_rank, 2)
+        engine.backward(engine(**batch))
+        engine.step()
+    engine.destroy()
+    print(f"rank {engine.global_rank} finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""Faults end the run in seconds, with a message that says what happened: processes are really stopped
+(SIGSTOP), killed (SIGKILL) or fail (an exception), and each test measures how long the other ranks take
+to end after the fault and checks what they print."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parent / "fault_scripts" / "train.py"
+WORLD = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path: Path, *args: str) -> list[subprocess.Popen]:
+    port = _free_port()
+    ranks = []
+    for rank in range(WORLD):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(WORLD), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+               "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+        log = open(tmp_path / f"rank{rank}.log", "w")
+        ranks.append(subprocess.Popen([sys.executable, str(SCRIPT), "--marker", str(tmp_path), *args], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    return ranks
+
+
+def _wait(process: subprocess.Popen, seconds: float) -> int | None:
+    try:
+        return process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _seconds_after_fault(tmp_path: Path) -> float:
+    return time.time() - float((tmp_path / "fault_time").read_text())
+
+
+def _cleanup(ranks: list[subprocess.Popen]) -> None:
+    for process in ranks:
+        if process.poll() is None:
+            process.send_signal(signal.SIGKILL)
+            process.wait()
+
+
+def test_a_stopped_rank_makes_the_others_report_the_pending_collective_and_exit(tmp_path: Path) -> None:
+    """Rank 1 is SIGSTOPped mid-run: rank 0's watchdog reports within comm_timeout_s (10 s) + its 1 s tick."""
+    ranks = _launch(tmp_path, "--fault", "sigstop", "--comm-timeout", "10")
+    try:
+        status = _wait(ranks[0], 90)
+        elapsed = _seconds_after_fault(tmp_path)
+    finally:
+        _cleanup(ranks)
+    log = (tmp_path / "rank0.log").read_text()
+    assert status == 75, log[-3000:]
+    assert 10 <= elapsed <= 16, elapsed
+    assert "zerotune watchdog: rank 0: all_reduce over 2 ranks" in log and "has not completed after" in log, log[-3000:]
+    assert "(most recent call first)" in log  # every thread's Python stack
+    print(f"rank 0 ended {elapsed:.1f} s after rank 1 stopped (comm_timeout_s 10)")
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "raise"])
+def test_a_dead_rank_ends_the_others_in_seconds_naming_the_failed_collective(tmp_path: Path, fault: str) -> None:
+    ranks = _launch(tmp_path, "--fault", fault)
+    try:
+        statuses = [_wait(process, 60) for process in ranks]
+        elapsed = _seconds_after_fault(tmp_path)
+    finally:
+        _cleanup(ranks)
+    log = (tmp_path / "rank0.log").read_text()
+    assert statuses[1] == (-signal.SIGKILL if fault == "sigkill" else 1)
+    assert statuses[0] not in (0, None), log[-3000:]
+    assert "zerotune.distributed.comm.CommError" in log and "failed on global rank 0" in log, log[-3000:]
+    assert elapsed <= 15, elapsed
+    if fault == "raise":
+        assert "injected failure on rank 1" in (tmp_path / "rank1.log").read_text()
+    print(f"{fault}: every rank gone {elapsed:.1f} s after the fault")
