@@ -24,7 +24,6 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("zero_optimization.elastic_checkpoint", bool, "false"),
     ("activation_checkpointing.partition_activations", bool, "false"),
     ("communication_data_type", lambda v: v not in (None, "fp32"), "unset or fp32"),
-    ("checkpoint.load_universal", bool, "false"),
     ("checkpoint.use_node_local_storage", bool, "false"),
     ("aio.use_gds", bool, "false"),
     ("memory_breakdown", bool, "false"),

@@ -238,7 +238,8 @@ class CheckpointConfig(Section):
     """``checkpoint``: checkpoint saving and loading behaviour."""
 
     NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
-        "load_universal": "true is refused; checkpoints load at the layout they were saved with",
+        "load_universal": "no conversion is needed: every zerotune checkpoint loads at any layout (DeepSpeed's "
+                          "universal-format directories are not read; its ZeRO checkpoints are)",
         "use_node_local_storage": "true is refused; every rank writes its files under the save directory",
     }
 
