@@ -4,6 +4,7 @@ to end after the fault and checks what they print."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -87,3 +88,27 @@ def test_a_dead_rank_ends_the_others_in_seconds_naming_the_failed_collective(tmp
     if fault == "raise":
         assert "injected failure on rank 1" in (tmp_path / "rank1.log").read_text()
     print(f"{fault}: every rank gone {elapsed:.1f} s after the fault")
+
+
+ELASTIC = Path(__file__).parent / "fault_scripts" / "elastic_train.py"
+
+
+def _zerotune_run(tmp_path: Path, name: str, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / f"{name}.json"
+    done = subprocess.run([sys.executable, "-m", "zerotune.cli.main", "run", "--standalone", "--max-restarts", "1",
+                           "--nproc_per_node", "2", str(ELASTIC), "--save-dir", str(tmp_path / name), "--out", str(out),
+                           *extra], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    return done, json.loads(out.read_text()) if out.is_file() else {}
+
+
+def test_a_killed_rank_restarts_the_job_which_resumes_from_its_newest_checkpoint(tmp_path: Path) -> None:
+    """SIGKILL of rank 1 after the second checkpoint: the launcher restarts both ranks, auto_resume loads step 4,
+    and the run ends with exactly the loss and weights of a run that was never interrupted (fp32)."""
+    interrupted, result = _zerotune_run(tmp_path, "killed", "--kill")
+    assert interrupted.returncode == 0, interrupted.stderr[-3000:]
+    assert "resumed from" in interrupted.stdout + interrupted.stderr
+    uninterrupted, expected = _zerotune_run(tmp_path, "whole")
+    assert uninterrupted.returncode == 0, uninterrupted.stderr[-3000:]
+    assert result["first_step"] == 4 and expected["first_step"] == 0
+    assert result["loss"] == expected["loss"] and result["weights_sum"] == expected["weights_sum"], (result, expected)

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from zerotune.checkpoint.engine_state import load_engine_checkpoint, save_engine_checkpoint
+from zerotune.checkpoint.engine_state import load_engine_checkpoint, load_newest_checkpoint, save_engine_checkpoint
 from zerotune.distributed import comm
 from zerotune.distributed.compression import CompressionStats, TopKCompressor
 from zerotune.distributed.env import DistEnv
@@ -252,20 +252,35 @@ class EngineCore(EngineQueries, torch.nn.Module):
             self.training_dataloader.post_process_func = post_process_func
 
     # ---- checkpoints ---------------------------------------------------------------------
-    def save_checkpoint(self, save_dir: str, tag: str | None = None, client_state: dict | None = None,
+    def _checkpoint_dir(self, given: str | None, method: str) -> str:
+        if given is not None:
+            return str(given)
+        if self._config.checkpoint.save_dir:
+            return self._config.checkpoint.save_dir
+        raise ValueError(f"engine.{method}() needs a directory: pass one, or set checkpoint.save_dir in the config")
+
+    def save_checkpoint(self, save_dir: str | None = None, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
-        """``exclude_frozen_parameters`` (LoRA / prefix tuning): save the trainable weights and a fingerprint of
-        the frozen base instead of the base; loading checks the fingerprint."""
-        save_engine_checkpoint(self, save_dir, tag, client_state or {}, save_latest, exclude_frozen_parameters)
+        """``save_dir`` defaults to ``checkpoint.save_dir``. ``exclude_frozen_parameters`` (LoRA / prefix tuning):
+        save the trainable weights and a fingerprint of the frozen base instead of the base; loading checks it."""
+        save_engine_checkpoint(self, self._checkpoint_dir(save_dir, "save_checkpoint"), tag, client_state or {},
+                               save_latest, exclude_frozen_parameters)
         return True
 
-    def load_checkpoint(self, load_dir: str, tag: str | None = None, load_module_strict: bool = True,
+    def load_checkpoint(self, load_dir: str | None = None, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
+        """``load_dir`` defaults to ``checkpoint.save_dir``; any saved layout loads at this one."""
+        load_dir = self._checkpoint_dir(load_dir, "load_checkpoint")
         return load_engine_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
                                       load_module_only=load_module_only)
+
+    def resume_newest_checkpoint(self, save_dir: str | None = None) -> tuple[str | None, dict | None]:
+        """Load the newest complete, verified checkpoint in ``save_dir`` (default ``checkpoint.save_dir``),
+        falling back to older ones; ``(None, None)`` when there is none (``checkpoint.auto_resume``)."""
+        return load_newest_checkpoint(self, self._checkpoint_dir(save_dir, "resume_newest_checkpoint"))
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from typing import Any, Callable, Iterable
 
 import torch
@@ -249,6 +250,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                                           collate_fn, cfg.dataloader_drop_last),
                     compressor=compressor,
                     client_optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
+    if cfg.checkpoint.auto_resume:
+        path, _ = engine.resume_newest_checkpoint()
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        log_rank0("checkpoint.auto_resume: %s (launcher restart %s)", f"resumed from {path} at step {engine.global_steps}"
+                  if path else f"no checkpoint in {cfg.checkpoint.save_dir}, starting fresh", restart, rank=env.rank)
     log_rank0("zerotune engine: world %d (dp %d x sp %d x tp %d), ZeRO stage %d, %s, micro-batch %d x GAS %d = batch %d",
               env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage, policy.name,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)

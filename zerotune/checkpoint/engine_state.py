@@ -224,6 +224,27 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
     return str(directory), saved["client_state"]
 
 
+def load_newest_checkpoint(engine: Engine, save_dir: str) -> tuple[str | None, dict | None]:
+    """Resume from the newest complete, verified checkpoint in ``save_dir``: the one ``latest`` names, else (it is
+    damaged or incomplete) the next newest tag. Each candidate is verified before anything changes, and the
+    verdict is shared by all ranks, so they all move on to the same next candidate."""
+    directory = Path(save_dir)
+    if not directory.is_dir():
+        return None, None
+    tags = sorted((p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")
+                   and (p / "manifest.json").is_file()), key=lambda p: p.stat().st_mtime, reverse=True)
+    latest = resolve_tag(directory, None) if (directory / "latest").is_file() else None
+    candidates = ([latest] if latest else []) + [p.name for p in tags if p.name != latest]
+    for tag in candidates:
+        try:
+            return load_engine_checkpoint(engine, save_dir, tag, load_module_strict=True, load_optimizer_states=True,
+                                          load_lr_scheduler_states=True, load_module_only=False)
+        except CheckpointError as error:
+            log_rank0("checkpoint %s cannot be resumed from (%s); trying an older one", directory / tag, error,
+                      rank=engine.global_rank, level=logging.WARNING)
+    return None, None
+
+
 def _shared(engine: Engine, work: Callable[[], Any]) -> Any:
     """Run ``work`` on every rank; if it raised CheckpointError on any rank, raise the first on all."""
     result, error = None, None

@@ -66,7 +66,8 @@ def run_finetune(args: argparse.Namespace) -> int:
     from torch.distributed import run as torchrun
 
     launch = recipe.launch
-    torchrun_args = [f"--nproc_per_node={launch.nproc_per_node}", f"--nnodes={launch.nnodes}"]
+    torchrun_args = [f"--nproc_per_node={launch.nproc_per_node}", f"--nnodes={launch.nnodes}",
+                     f"--max-restarts={launch.max_restarts}"]
     if launch.nnodes > 1:
         if not launch.rdzv_endpoint:
             print("zerotune finetune: launch.rdzv_endpoint is required when launch.nnodes > 1 "

@@ -155,6 +155,9 @@ def check_cross_section(cfg: ZeroTuneConfig) -> None:
             "zero_optimization.offload_param.device",
             f"parameter offload ('{zero.offload_param.device}') needs zero_optimization.stage 3, got stage {zero.stage}",
         )
+    if cfg.checkpoint.auto_resume is True and not cfg.checkpoint.save_dir:
+        raise ConfigError("checkpoint.auto_resume", "needs checkpoint.save_dir: the directory to resume from (and "
+                                                    "the default of save_checkpoint)")
 
 
 def _given_provenance(cfg: ZeroTuneConfig, normalized: Mapping[str, Any]) -> dict[str, str]:

@@ -243,6 +243,13 @@ class CheckpointConfig(Section):
         "use_node_local_storage": "true is refused; every rank writes its files under the save directory",
     }
 
+    save_dir: Optional[Str] = None
+    """Default directory of ``engine.save_checkpoint()`` / ``load_checkpoint()`` when called without one, and
+    where ``auto_resume`` looks (zerotune extension)."""
+    auto_resume: AutoBool = False
+    """At ``initialize``, resume from the newest complete, verified checkpoint in ``save_dir`` if there is one
+    (an older one when the newest is damaged): with ``zerotune run --max-restarts N``, a job whose rank died
+    restarts and continues from its last checkpoint (zerotune extension)."""
     keep_last: OptAutoPosInt = None
     """Keep only the newest N checkpoints in the save directory (older tags are deleted after each save;
     the one ``latest`` names is always kept); unset keeps all (zerotune extension)."""

@@ -127,6 +127,15 @@ def current_env() -> DistEnv:
     return DistEnv(dist.get_rank(), dist.get_world_size(), local_rank, device, backend)
 
 
+def _attempt_store(world_size: int, timeout: timedelta) -> dist.Store:
+    """torchrun's agent keeps one store for every attempt of an elastic job; after a restart, the new ranks
+    could read the addresses the dead attempt's ranks published there and fail to connect (a race seen on
+    every few restarts). Keys under a prefix naming the attempt keep each attempt's rendezvous its own."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"zerotune/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+
+
 def init_distributed(
     dist_backend: str | None = None,
     auto_mpi_discovery: bool = True,
@@ -170,8 +179,11 @@ def init_distributed(
         init_method = "env://"
     for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", local_rank)):
         os.environ.setdefault(name, str(value))
+    rendezvous = {"init_method": init_method}
+    if init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        rendezvous = {"store": _attempt_store(world_size, timeout)}
     dist.init_process_group(
-        backend, init_method=init_method, rank=rank, world_size=world_size, timeout=timeout,
+        backend, rank=rank, world_size=world_size, timeout=timeout, **rendezvous,
         **({"device_id": device} if device.type == "cuda" else {}),
     )
     return DistEnv(rank, world_size, local_rank, device, backend)

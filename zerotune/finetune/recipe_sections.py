@@ -189,6 +189,9 @@ class LaunchSection(Section):
     """Job id shared by all nodes of a run; None uses a fixed default."""
     node_rank: Optional[NonNegInt] = None
     """This node's rank for the static rendezvous backend; None lets the rendezvous assign it."""
+    max_restarts: NonNegInt = 0
+    """Restart every rank this many times after one dies (torchrun's elastic agent); a restarted job resumes
+    from the newest complete checkpoint in the output directory."""
 
 
 class Recipe(Section):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -87,6 +88,9 @@ def _headline(task: str, result: dict) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    # a launcher restart after a rank died (zerotune run --max-restarts / the recipe's launch.max_restarts)
+    # continues from the newest checkpoint, as --resume does
+    args.resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     recipe = load_recipe(args.recipe, args.overrides)
     check_recipe_inputs(recipe)
     env = zerotune.init_distributed()
@@ -120,7 +124,7 @@ def run(args: argparse.Namespace) -> dict:
     checkpoint_dir = output / CHECKPOINTS
     before = None
     if args.resume:
-        path, client_state = engine.load_checkpoint(str(checkpoint_dir))
+        path, client_state = engine.resume_newest_checkpoint(str(checkpoint_dir))
         if path is None:
             log_rank0("--resume: no complete checkpoint in %s, starting from scratch", checkpoint_dir, rank=env.rank)
         else:
