@@ -183,7 +183,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     mesh = build_mesh(parallel_dims(raw, env.world_size, model), env.device.type)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=_auto_values(raw, model))
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
-    WATCHDOG.start(cfg.comm_timeout_s, rank=env.rank)  # (process-wide: the latest engine's timeout holds)
+    if cfg.comm_timeout_s is None:  # (process-wide: the latest engine's setting holds)
+        WATCHDOG.stop()
+    else:
+        WATCHDOG.start(cfg.comm_timeout_s, rank=env.rank)
     for path, message in cfg.notes:
         log_rank0("config %s: %s", path, message, rank=env.rank)
     check_model_parallel_composes(cfg, mesh)

@@ -123,10 +123,11 @@ class ZeroTuneConfig(Section):
     """Ulysses sequence-parallel degree; 1 disables sequence parallelism."""
     steps_per_print: AutoPosInt = 10
     """Log progress every this many optimizer steps."""
-    comm_timeout_s: AutoPosFloat = 600.0
+    comm_timeout_s: Optional[AutoPosFloat] = 600.0
     """zerotune: a collective still pending after this many seconds (a rank stopped, died or diverged) makes the
     rank print the pending collective and every thread's stack and exit (status 75), instead of waiting for
-    torch's 30-minute timeout. Checkpoint saves wait in collectives for the slowest writer: keep it above that."""
+    torch's 30-minute timeout; null turns the watchdog off. Checkpoint saves wait in collectives for the slowest
+    writer: keep it above that."""
     max_consecutive_skipped_steps: AutoPosInt = 20
     """zerotune: stop with an error after this many optimizer steps in a row were skipped for a non-finite
     gradient norm (fp16 overflows included: a dynamic loss scale recovers in far fewer), in every precision."""

@@ -112,7 +112,7 @@ def run_collective(op: str, group: dist.ProcessGroup | None, nbytes: int, launch
         finally:
             WATCHDOG.end(token)
     else:
-        WATCHDOG.issued(token, work)
+        WATCHDOG.issued(token, handle)
     return handle
 
 

@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +32,9 @@ class _Pending:
     nbytes: int
     site: str
     started: float
-    work: Any = None
+    handle: Any = None
+    """A weak reference to the ``comm.Handle`` of an asynchronous collective (the watchdog must not keep its
+    buffers alive: that would hold every gathered unit and bucket until the next check)."""
 
 
 class Watchdog:
@@ -64,17 +67,14 @@ class Watchdog:
             self._pending[token] = _Pending(op, ranks, nbytes, _call_site(), time.monotonic())
         return token
 
-    def issued(self, token: int | None, work: Any) -> None:
-        """The collective is asynchronous: it is pending until ``work`` completes."""
+    def issued(self, token: int | None, handle: Any) -> None:
+        """The collective is asynchronous: it is pending until its ``handle`` completes (or is dropped)."""
         if token is None:
             return
         with self._lock:
             entry = self._pending.get(token)
             if entry is not None:
-                if work is None:
-                    del self._pending[token]
-                else:
-                    entry.work = work
+                entry.handle = weakref.ref(handle)
 
     def end(self, token: int | None) -> None:
         if token is not None:
@@ -90,7 +90,7 @@ class Watchdog:
             now = time.monotonic()
             with self._lock:
                 for token, entry in list(self._pending.items()):
-                    if entry.work is not None and _completed(entry.work):
+                    if entry.handle is not None and _completed(entry.handle()):
                         del self._pending[token]
                 overdue = [e for e in self._pending.values() if now - e.started > timeout]
             if overdue:
@@ -110,9 +110,11 @@ class Watchdog:
             os._exit(EXIT_STATUS)
 
 
-def _completed(work: Any) -> bool:
+def _completed(handle: Any) -> bool:
+    if handle is None:  # dropped unwaited: nobody waits for it any more
+        return True
     try:
-        return bool(work.is_completed())
+        return bool(handle.is_completed())
     except Exception:  # noqa: BLE001 - a failed work is not pending: its wait() reports it
         return True
 
