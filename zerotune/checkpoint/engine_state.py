@@ -173,7 +173,7 @@ def _load_deepspeed(engine: Engine, directory: Path, tag: str | None, *, strict:
     return str(directory), checkpoint.client_state
 
 
-def _verify(engine: Engine, directory: Path, manifest: dict, names: list[str]) -> None:
+def _verify(directory: Path, manifest: dict, names: list[str]) -> None:
     verify_files(directory, [name for name in names if name in manifest], manifest)
 
 
@@ -268,7 +268,7 @@ def _read_and_check(engine: Engine, directory: Path, strict: bool, with_optimize
     model_files = sorted(name for name in manifest if MODEL_FILE_PATTERN.fullmatch(name))
     if not model_files:
         raise CheckpointError(f"{directory} has no model_states*.pt file listed in its manifest")
-    _verify(engine, directory, manifest, [*model_files, rng_file(engine.global_rank),
+    _verify(directory, manifest, [*model_files, rng_file(engine.global_rank),
                                           compression_file(engine.global_rank)])
     models = {name: read_file(directory / name, "model states", mmap=True) for name in model_files}
     saved = models.get(model_file(engine)) or models[model_files[0]]
@@ -278,7 +278,7 @@ def _read_and_check(engine: Engine, directory: Path, strict: bool, with_optimize
         try:
             rank_files[name] = read_file(directory / name, "parameter pieces", mmap=True)
         except CheckpointError:
-            _verify(engine, directory, manifest, [name])  # a damaged file says so
+            _verify(directory, manifest, [name])  # a damaged file says so
             raise
     reader = PieceReader(directory, whole, rank_files)
     frozen = set()
@@ -290,7 +290,7 @@ def _read_and_check(engine: Engine, directory: Path, strict: bool, with_optimize
         frozen = set(frozen_names(engine))
     needed = check_fits(engine, reader, strict=strict, skip=frozen, with_optimizer=with_optimizer,
                         saved_groups=saved.get("optimizer_groups"))
-    _verify(engine, directory, manifest, sorted(reader.files_for(needed)))
+    _verify(directory, manifest, sorted(reader.files_for(needed)))
     return saved, reader
 
 
