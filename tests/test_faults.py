@@ -67,7 +67,9 @@ def test_a_stopped_rank_makes_the_others_report_the_pending_collective_and_exit(
     log = (tmp_path / "rank0.log").read_text()
     assert status == 75, log[-3000:]
     assert 10 <= elapsed <= 16, elapsed
-    assert "zerotune watchdog: rank 0: all_reduce over 2 ranks" in log and "has not completed after" in log, log[-3000:]
+    # Rank 0 waits where rank 1 would next meet it: the collective guard's exchange before the backward.
+    assert "zerotune watchdog: rank 0: collective guard before backward over 2 ranks" in log, log[-3000:]
+    assert "has not completed after" in log, log[-3000:]
     assert "(most recent call first)" in log  # every thread's Python stack
     print(f"rank 0 ended {elapsed:.1f} s after rank 1 stopped (comm_timeout_s 10)")
 
@@ -88,6 +90,26 @@ def test_a_dead_rank_ends_the_others_in_seconds_naming_the_failed_collective(tmp
     if fault == "raise":
         assert "injected failure on rank 1" in (tmp_path / "rank1.log").read_text()
     print(f"{fault}: every rank gone {elapsed:.1f} s after the fault")
+
+
+def test_a_collective_of_one_ranks_own_deadlocks_for_seconds_not_minutes(tmp_path: Path) -> None:
+    """Rank 1 all-reduces a tensor the others never all-reduce: it waits there for rank 0, which waits at the next
+    collective-guard point for rank 1. Both stalled ranks compare notes after the guard's grace (5 s) and exit
+    with CollectiveMismatch naming where each waits -- long before comm_timeout_s (600 s here)."""
+    ranks = _launch(tmp_path, "--fault", "extra-collective")
+    try:
+        statuses = [_wait(process, 60) for process in ranks]
+        elapsed = _seconds_after_fault(tmp_path)
+    finally:
+        _cleanup(ranks)
+    logs = [(tmp_path / f"rank{rank}.log").read_text() for rank in range(WORLD)]
+    assert statuses == [1, 1], (statuses, logs[0][-3000:], logs[1][-3000:])
+    for log in logs:
+        assert "CollectiveMismatch: ranks issued different collectives" in log, log[-3000:]
+        assert "rank 0 waits at the collective guard before backward (step 2, micro-step 2)" in log, log[-3000:]
+        assert "rank 1 waits in all_reduce issued at train.py:" in log, log[-3000:]
+    assert elapsed <= 12, elapsed
+    print(f"extra collective: every rank gone {elapsed:.1f} s after it (comm_timeout_s 600)")
 
 
 ELASTIC = Path(__file__).parent / "fault_scripts" / "elastic_train.py"

@@ -220,7 +220,7 @@ def all_to_all_single(output: torch.Tensor, tensor: torch.Tensor, output_split_s
     return _result(_layer.run_collective(
         "all_to_all", group, _nbytes(tensor),
         lambda: dist.all_to_all_single(output, tensor, output_split_sizes, input_split_sizes, group=group,
-                                       async_op=async_op), async_op), async_op)
+                                       async_op=async_op), async_op, tensor.dtype), async_op)
 
 
 def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[torch.Tensor],
@@ -230,7 +230,7 @@ def all_to_all(output_tensor_list: list[torch.Tensor], input_tensor_list: list[t
     return _result(_layer.run_collective(
         "all_to_all", group, sum(_nbytes(t) for t in input_tensor_list),
         lambda: dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op),
-        async_op), async_op)
+        async_op, input_tensor_list[0].dtype if input_tensor_list else None), async_op)
 
 
 def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, dst: int = 0,
@@ -240,7 +240,8 @@ def gather(tensor: torch.Tensor, gather_list: list[torch.Tensor] | None = None, 
     group = _world(group)
     return _result(_layer.run_collective(
         "gather", group, _nbytes(tensor),
-        lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op), async_op), async_op)
+        lambda: dist.gather(tensor, gather_list, dst=dst, group=group, async_op=async_op), async_op, tensor.dtype),
+        async_op)
 
 
 def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None, src: int = 0,
@@ -250,7 +251,8 @@ def scatter(tensor: torch.Tensor, scatter_list: list[torch.Tensor] | None = None
     group = _world(group)
     return _result(_layer.run_collective(
         "scatter", group, _nbytes(tensor),
-        lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op), async_op), async_op)
+        lambda: dist.scatter(tensor, scatter_list, src=src, group=group, async_op=async_op), async_op, tensor.dtype),
+        async_op)
 
 
 def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0,
@@ -258,7 +260,8 @@ def isend(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None
     """Asynchronous send to global rank ``dst``; wait on the handle before reusing ``tensor``."""
     group = _world(group)
     return _layer.run_collective("send", group, _nbytes(tensor),
-                                 lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), async_op=True)
+                                 lambda: dist.isend(tensor, dst=dst, group=group, tag=tag), async_op=True,
+                                 dtype=tensor.dtype, peer=dst)
 
 
 def irecv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup | None = None, tag: int = 0,
@@ -266,7 +269,7 @@ def irecv(tensor: torch.Tensor, src: int | None = None, group: dist.ProcessGroup
     """Asynchronous receive from global rank ``src``; not counted (the sender counts)."""
     group = _world(group)
     return _layer.run_collective("recv", group, 0, lambda: dist.irecv(tensor, src=src, group=group, tag=tag),
-                                 async_op=True)
+                                 async_op=True, dtype=tensor.dtype, peer=src)
 
 
 def send(tensor: torch.Tensor, dst: int, group: dist.ProcessGroup | None = None, tag: int = 0,

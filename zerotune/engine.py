@@ -28,6 +28,11 @@ class Engine(EngineCore):
         super().__init__(**core)
         self._boundary_override: bool | None = None  # set_gradient_accumulation_boundary
         self._inside_no_sync = False
+        # Stage 3 gathers parameters and model parallelism exchanges activations in the forward; otherwise a
+        # forward is local (a rank may evaluate alone) and the collective guard leaves it out.
+        self._forward_communicates = bool(self.state.units) or self.mesh.size("tp") > 1 or self.mesh.size("sp") > 1
+        self._step_calls = 0  # engine.step() calls: the micro-steps this engine has run (never rewound)
+        self._guarded_at = -1  # one collective-guard point per micro-step, before its first collective
 
     @staticmethod
     def initialize(*args: Any, **kwargs: Any) -> tuple["Engine", Any, Any, Any]:
@@ -46,6 +51,11 @@ class Engine(EngineCore):
                 return t.to(dtype) if t.is_floating_point() else t
 
             args, kwargs = map_tensors(args, cast), map_tensors(kwargs, cast)
+        if self._forward_communicates:
+            if torch.is_grad_enabled():
+                self._guard_point("forward")
+            else:  # an evaluation forward: its own point (it may come between a micro-step's phases)
+                comm.guard_point("forward (no grad)", self.global_steps, self.micro_steps)
         if self.training and torch.is_grad_enabled():
             self.tput_timer.start()
         with self.timers("forward"):
@@ -66,6 +76,8 @@ class Engine(EngineCore):
         self._window_loss = detached if self._window_loss is None else self._window_loss + detached
         gas_divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         communicate = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
+        if communicate or self._forward_communicates or self.zero_optimization_stage() >= 2:
+            self._guard_point("backward")
         self.grad_sync.begin_micro_step(communicate)
         with self.timers("backward"):
             (loss.float() * (self.loss_scaler.loss_scale / gas_divisor)).backward(retain_graph=retain_graph)
@@ -81,13 +93,23 @@ class Engine(EngineCore):
             raise RuntimeError("engine.step() needs an optimizer: pass initialize(optimizer=...) or add an "
                                "'optimizer' block to the config")
         if boundary:
+            self._guard_point("optimizer step")
             with self.timers("reduce"):
                 self.grad_sync.finish()
             with self.timers("step"):
                 self._take_model_step(lr_kwargs or {})
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
+        self._step_calls += 1
         self._boundary_override = None
+
+    def _guard_point(self, phase: str) -> None:
+        """The micro-step's first phase that communicates meets the other ranks at a collective-guard point;
+        its later phases follow from it (a divergence between them is caught by the stalled ranks' notes,
+        ``guard_stall.py``). One point per micro-step keeps the guard's cost under 1% of a step."""
+        if self._guarded_at != self._step_calls:
+            self._guarded_at = self._step_calls
+            comm.guard_point(phase, self.global_steps, self.micro_steps)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether this micro-step ends an optimizer step: every GAS-th one, unless the script said

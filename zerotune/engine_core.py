@@ -263,6 +263,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """``save_dir`` defaults to ``checkpoint.save_dir``. ``exclude_frozen_parameters`` (LoRA / prefix tuning):
         save the trainable weights and a fingerprint of the frozen base instead of the base; loading checks it."""
+        comm.guard_point("save_checkpoint", self.global_steps, self.micro_steps)
         save_engine_checkpoint(self, self._checkpoint_dir(save_dir, "save_checkpoint"), tag, client_state or {},
                                save_latest, exclude_frozen_parameters)
         return True
@@ -272,6 +273,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """``load_dir`` defaults to ``checkpoint.save_dir``; any saved layout loads at this one."""
         load_dir = self._checkpoint_dir(load_dir, "load_checkpoint")
+        comm.guard_point("load_checkpoint", self.global_steps, self.micro_steps)
         return load_engine_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states,
                                       load_lr_scheduler_states=load_lr_scheduler_states,
@@ -280,7 +282,9 @@ class EngineCore(EngineQueries, torch.nn.Module):
     def resume_newest_checkpoint(self, save_dir: str | None = None) -> tuple[str | None, dict | None]:
         """Load the newest complete, verified checkpoint in ``save_dir`` (default ``checkpoint.save_dir``),
         falling back to older ones; ``(None, None)`` when there is none (``checkpoint.auto_resume``)."""
-        return load_newest_checkpoint(self, self._checkpoint_dir(save_dir, "resume_newest_checkpoint"))
+        save_dir = self._checkpoint_dir(save_dir, "resume_newest_checkpoint")
+        comm.guard_point("resume_newest_checkpoint", self.global_steps, self.micro_steps)
+        return load_newest_checkpoint(self, save_dir)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
@@ -289,6 +293,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
         At stage 3 the units are gathered one at a time; a ``.safetensors`` file name streams them
         to disk, so rank 0 never holds more than the largest unit (other names are ``torch.save``d).
         """
+        comm.guard_point("save_16bit_model", self.global_steps, self.micro_steps)
         units = self.state.units  # stage 3's partitioned units (empty below)
         if units and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             log_rank0("save_16bit_model: nothing saved: ZeRO stage 3 keeps the parameters partitioned; set "

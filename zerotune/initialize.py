@@ -18,7 +18,8 @@ import torch
 from zerotune.config import ConfigError, NotSupportedYetError, assert_implemented, load_config, resolve_config
 from zerotune.distributed import comm
 from zerotune.distributed.env import DEFAULT_PORT, init_distributed
-from zerotune.distributed.mesh import build_mesh
+from zerotune.distributed.guard import GUARD
+from zerotune.distributed.mesh import AXES, DERIVED_AXES, ProcessMesh, build_mesh
 from zerotune.distributed.watchdog import WATCHDOG
 from zerotune.engine import Engine
 from zerotune.engine_data import build_dataloader
@@ -187,6 +188,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
         WATCHDOG.stop()
     else:
         WATCHDOG.start(cfg.comm_timeout_s, rank=env.rank)
+    _arm_collective_guard(cfg.collective_guard, raw.model_dump(mode="json"), mesh, model, env.rank)
     for path, message in cfg.notes:
         log_rank0("config %s: %s", path, message, rank=env.rank)
     check_model_parallel_composes(cfg, mesh)
@@ -262,6 +264,30 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
               env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage, policy.name,
               cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size, rank=env.rank)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+def _arm_collective_guard(enabled: bool, config: dict, mesh: ProcessMesh, model: torch.nn.Module, rank: int) -> None:
+    """Start the collective guard (process-wide, like the watchdog: the latest engine's setting holds) and
+    compare every rank's config and model before the first collective that depends on them."""
+    if not enabled:
+        GUARD.stop()
+        return
+    GUARD.start([mesh.group(axis) for axis in (*AXES, *DERIVED_AXES)], rank=rank, store=_rendezvous_store())
+    signature = [f"{name} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}" for name, p in model.named_parameters()]
+    if isinstance(model, PipelineModule):  # a stage's ranks hold the same layers
+        dp_sp = mesh.group("dp_sp")
+        peers = torch.distributed.get_process_group_ranks(dp_sp) if dp_sp is not None else [rank]
+    else:
+        peers = list(range(torch.distributed.get_world_size()))
+    comm.check_same_setup(config, signature, tuple(peers))
+
+
+def _rendezvous_store() -> torch.distributed.Store | None:
+    """The default group's store (stalled ranks compare notes there); None where torch hides it."""
+    try:
+        return torch.distributed.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - a private accessor: without it, stalls wait for the watchdog
+        return None
 
 
 def _loss_scaler(cfg: Any) -> StaticLossScaler | DynamicLossScaler:

@@ -1,7 +1,9 @@
 """A small data-parallel training run that injects one fault on one rank (for tests/test_faults.py).
 
-    python train.py --fault sigstop|sigkill|raise|none --rank-at-fault 1 --at-step 2 --comm-timeout 10 \
-        --marker DIR
+    python train.py --fault sigstop|sigkill|raise|extra-collective|none --rank-at-fault 1 --at-step 2 \
+        --comm-timeout 10 --marker DIR
+
+(``extra-collective``: the faulty rank all-reduces a tensor of its own the others never all-reduce.)
 
 Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Before its fault, the faulty rank writes
 ``DIR/fault_time`` (the wall-clock time), so the test can measure how long the others take to end.
@@ -26,7 +28,7 @@ from tests.models import make_mlp, mlp_batch  # noqa: E402
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=["sigstop", "sigkill", "raise", "none"], default="none")
+    parser.add_argument("--fault", choices=["sigstop", "sigkill", "raise", "extra-collective", "none"], default="none")
     parser.add_argument("--rank-at-fault", type=int, default=1)
     parser.add_argument("--at-step", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
@@ -45,6 +47,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif args.fault == "sigkill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            elif args.fault == "extra-collective":
+                zerotune.comm.all_reduce(torch.ones(3))
             else:
                 raise RuntimeError(f"injected failure on rank {engine.global_rank} at step {step}")
         batch = mlp_batch(step, engine.global_rank, 2)

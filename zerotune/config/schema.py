@@ -128,6 +128,11 @@ class ZeroTuneConfig(Section):
     rank print the pending collective and every thread's stack and exit (status 75), instead of waiting for
     torch's 30-minute timeout; null turns the watchdog off. Checkpoint saves wait in collectives for the slowest
     writer: keep it above that."""
+    collective_guard: AutoBool = True
+    """zerotune: before each engine phase that communicates, ranks compare a running hash of the collectives
+    each issued (one small all-gather on a group of its own) and the configs at initialize; ranks that diverged
+    (a skipped or extra micro-step, a checkpoint saved on one rank) all stop with CollectiveMismatch naming
+    each rank's last collectives, instead of pairing unrelated collectives. false turns it off."""
     max_consecutive_skipped_steps: AutoPosInt = 20
     """zerotune: stop with an error after this many optimizer steps in a row were skipped for a non-finite
     gradient norm (fp16 overflows included: a dynamic loss scale recovers in far fewer), in every precision."""

@@ -12,7 +12,10 @@ Two reasons to route everything here:
 * failure reporting -- a collective that fails or times out (a dead or diverging rank) is
   re-raised as ``CommError`` naming the op, this rank and the group size, instead of a bare
   gloo/NCCL message from deep inside; one still pending after ``comm_timeout_s`` is reported and
-  ends the process (``watchdog.py``).
+  ends the process (``watchdog.py``);
+* agreement -- each call is folded into its group's running record, which ranks compare before every
+  engine phase that communicates (``guard_point``), so ranks whose collectives diverge stop at once with
+  ``CollectiveMismatch`` instead of pairing unrelated collectives (``guard.py``).
 
 A group of ``None`` from ``ProcessMesh.group`` means an axis of size 1: nothing to do.
 """
@@ -27,6 +30,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from zerotune.distributed.guard import GUARD, CollectiveMismatch, call_site, mismatch_message, setup_differences
+from zerotune.distributed.guard_stall import published_verdict
 from zerotune.distributed.watchdog import WATCHDOG
 
 ReduceOp = dist.ReduceOp
@@ -62,7 +67,10 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
 
-def _describe_failure(op: str, group: dist.ProcessGroup | None, error: Exception) -> CommError:
+def _describe_failure(op: str, group: dist.ProcessGroup | None, error: Exception) -> CommError | CollectiveMismatch:
+    verdict = published_verdict()  # the peer left because stalled ranks found diverging collectives
+    if verdict is not None:
+        return CollectiveMismatch(verdict)
     rank = dist.get_rank() if dist.is_initialized() else 0
     return CommError(
         f"{op} failed on global rank {rank} (group of {_group_size(group)} ranks): {error}. "
@@ -93,13 +101,16 @@ class Handle:
 
 
 def run_collective(op: str, group: dist.ProcessGroup | None, nbytes: int, launch: Callable[[], dist.Work | None],
-                   async_op: bool) -> Handle:
-    """Count ``nbytes`` under ``op``, launch, and wait unless ``async_op``; failures become CommError.
-    Every collective, zerotune's own and those issued through ``zerotune.comm``, passes here."""
+                   async_op: bool, dtype: torch.dtype | None = None, peer: int | None = None) -> Handle:
+    """Count ``nbytes`` under ``op``, record it for the guard, launch, and wait unless ``async_op``; failures
+    become CommError. Every collective, zerotune's own and those issued through ``zerotune.comm``, passes
+    here (``peer``: the other end of a point-to-point transfer)."""
     stats = _stats[op]
     stats.calls += 1
     stats.bytes += nbytes
-    token = WATCHDOG.begin(op, _group_size(group), nbytes)
+    site = call_site() if GUARD.active or WATCHDOG.armed else ""
+    record = GUARD.record(op, group, dtype, nbytes, site, peer) if GUARD.active else None
+    token = WATCHDOG.begin(op, _group_size(group), nbytes, site, record)
     try:
         work = launch()
     except Exception as error:  # noqa: BLE001 - re-raised with context
@@ -122,9 +133,12 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 @contextmanager
-def _watched(op: str, ranks: int, nbytes: int) -> Iterator[None]:
-    """A blocking call the watchdog knows about while it waits."""
-    token = WATCHDOG.begin(op, ranks, nbytes)
+def _watched(op: str, group: dist.ProcessGroup | None, ranks: int, nbytes: int, peer: int | None = None,
+             dtype: torch.dtype | None = None) -> Iterator[None]:
+    """A blocking call outside ``run_collective``: recorded for the guard, known to the watchdog while it waits."""
+    site = call_site() if GUARD.active or WATCHDOG.armed else ""
+    record = GUARD.record(op, group, dtype, nbytes, site, peer) if GUARD.active else None
+    token = WATCHDOG.begin(op, ranks, nbytes, site, record)
     try:
         yield
     finally:
@@ -141,7 +155,7 @@ def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None, op=ReduceO
     if group is None:
         return Handle("all_reduce", None, None)
     return run_collective("all_reduce", group, 2 * _nbytes(tensor),
-                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, tensor.dtype)
 
 
 def broadcast(tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessGroup | None,
@@ -151,7 +165,7 @@ def broadcast(tensor: torch.Tensor, src_rank_in_group: int, group: dist.ProcessG
         return Handle("broadcast", None, None)
     return run_collective("broadcast", group, _nbytes(tensor),
                 lambda: dist.broadcast(tensor, group_src=src_rank_in_group, group=group, async_op=async_op),
-                async_op)
+                async_op, tensor.dtype)
 
 
 def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
@@ -162,7 +176,7 @@ def reduce_scatter_tensor(output: torch.Tensor, input: torch.Tensor, group: dist
         return Handle("reduce_scatter", None, None)
     return run_collective("reduce_scatter", group, _nbytes(input),
                 lambda: _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op),
-                async_op)
+                async_op, input.dtype)
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
@@ -173,7 +187,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, group: dis
         output.copy_(input)
         return Handle(counter, None, None)
     return run_collective(counter, group, _nbytes(output),
-                lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op)
+                lambda: _all_gather_single(output, input, group=group, async_op=async_op), async_op, input.dtype)
 
 
 def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.ProcessGroup | None,
@@ -183,7 +197,7 @@ def all_gather(outputs: list[torch.Tensor], input: torch.Tensor, group: dist.Pro
         outputs[0].copy_(input)
         return Handle("all_gather", None, None)
     return run_collective("all_gather", group, sum(_nbytes(o) for o in outputs),
-                lambda: dist.all_gather(outputs, input, group=group, async_op=async_op), async_op)
+                lambda: dist.all_gather(outputs, input, group=group, async_op=async_op), async_op, input.dtype)
 
 
 def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], group: dist.ProcessGroup | None,
@@ -194,7 +208,8 @@ def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], group: dist
             output.copy_(inputs[0])
         return Handle("reduce_scatter", None, None)
     return run_collective("reduce_scatter", group, sum(_nbytes(i) for i in inputs),
-                lambda: dist.reduce_scatter(output, inputs, op=op, group=group, async_op=async_op), async_op)
+                lambda: dist.reduce_scatter(output, inputs, op=op, group=group, async_op=async_op), async_op,
+                output.dtype)
 
 
 def reduce(tensor: torch.Tensor, dst_rank_in_group: int, group: dist.ProcessGroup | None, op=ReduceOp.SUM,
@@ -204,7 +219,7 @@ def reduce(tensor: torch.Tensor, dst_rank_in_group: int, group: dist.ProcessGrou
         return Handle("reduce", None, None)
     return run_collective("reduce", group, _nbytes(tensor),
                 lambda: dist.reduce(tensor, group_dst=dst_rank_in_group, op=op, group=group, async_op=async_op),
-                async_op)
+                async_op, tensor.dtype)
 
 
 def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None,
@@ -215,19 +230,21 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, group: dist.Pro
         output.copy_(input)
         return Handle("all_to_all", None, None)
     return run_collective("all_to_all", group, _nbytes(input),
-                lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op)
+                lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op), async_op,
+                input.dtype)
 
 
 def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
     """Point-to-point send to global rank ``dst`` (asynchronous: wait on the handle before reusing
     ``tensor``). Counted as the tensor's bytes."""
-    return run_collective("send", None, _nbytes(tensor), lambda: dist.isend(tensor, dst=dst, tag=tag), async_op=True)
+    return run_collective("send", None, _nbytes(tensor), lambda: dist.isend(tensor, dst=dst, tag=tag), async_op=True,
+                          dtype=tensor.dtype, peer=dst)
 
 
 def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
     """Blocking point-to-point receive from global rank ``src`` into ``tensor`` (not counted: the sender counts)."""
     try:
-        with _watched(f"recv from rank {src}", 2, _nbytes(tensor)):
+        with _watched("recv", None, 2, _nbytes(tensor), peer=src, dtype=tensor.dtype):
             dist.recv(tensor, src=src, tag=tag)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure(f"recv from rank {src}", None, error) from error
@@ -239,7 +256,7 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[obje
         return [obj]
     gathered: list[object] = [None] * dist.get_world_size(group)
     try:
-        with _watched("all_gather_object", len(gathered), 0):
+        with _watched("all_gather_object", group, len(gathered), 0):
             dist.all_gather_object(gathered, obj, group=group)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure("all_gather_object", group, error) from error
@@ -251,7 +268,73 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
         return
     try:
-        with _watched("barrier", _group_size(group) if group is not None else dist.get_world_size(), 0):
+        with _watched("barrier", group, _group_size(group) if group is not None else dist.get_world_size(), 0):
             dist.barrier(group=group)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure("barrier", group, error) from error
+
+
+def guard_point(phase: str, step: int, micro_step: int) -> None:
+    """Compare every rank's collective record before an engine phase that communicates (``guard.py``): one
+    small all-gather on the guard's own group, neither counted nor recorded. On any difference every rank
+    raises ``CollectiveMismatch`` naming each rank's phase and last collectives."""
+    group = GUARD.group
+    if group is None:
+        return
+    GUARD.points += 1
+    row = GUARD.vector(phase, step, micro_step)
+    world = dist.get_world_size(group)
+    rows = torch.empty(world * row.numel(), dtype=row.dtype)
+    try:
+        with _watched_only(f"collective guard before {phase}", world, phase=f"{phase} (step {step}, micro-step "
+                                                                              f"{micro_step})"):
+            _all_gather_single(rows, row, group=group)
+            rows = rows.view(world, -1)
+            problems = GUARD.disagreements(rows)
+            if problems:
+                described: list[object] = [None] * world
+                dist.all_gather_object(described, GUARD.describe(phase, step, micro_step), group=group)
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise _describe_failure(f"collective guard exchange before {phase}", group, error) from error
+    if problems:
+        raise CollectiveMismatch(mismatch_message(described, problems))
+
+
+def check_same_setup(config: dict, model_signature: list[str], model_peers: tuple[int, ...]) -> None:
+    """At ``initialize``, while the guard is armed: every rank's config must be the same, and the model
+    pieces of ranks that hold the same piece (``model_peers``, this rank's data-parallel group) alike --
+    ranks started differently would otherwise pair unrelated collectives from their first step.
+    ``model_signature``: each parameter's name, shape and dtype."""
+    group = GUARD.group
+    if group is None:
+        return
+    setups: list[object] = [None] * dist.get_world_size(group)
+    try:
+        with _watched_only("initialize: compare configs", len(setups)):
+            dist.all_gather_object(setups, {"config": config, "model": model_signature, "peers": model_peers},
+                                   group=group)
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise _describe_failure("initialize: compare configs", group, error) from error
+    differences = setup_differences([setup["config"] for setup in setups])
+    if differences:
+        raise CollectiveMismatch("ranks were started with different configs (each would issue different "
+                                 "collectives):\n" + "\n".join(differences))
+    for rank, setup in enumerate(setups):
+        theirs = setup["model"]
+        if setup["peers"] == model_peers and theirs != model_signature:
+            first = next((i for i, (a, b) in enumerate(zip(theirs, model_signature)) if a != b),
+                         min(len(theirs), len(model_signature)))
+            raise CollectiveMismatch(
+                f"ranks {rank} and {GUARD.rank} should hold the same model but differ at parameter {first}: rank "
+                f"{rank} has {theirs[first] if first < len(theirs) else '<none>'}, rank {GUARD.rank} has "
+                f"{model_signature[first] if first < len(model_signature) else '<none>'}")
+
+
+@contextmanager
+def _watched_only(op: str, ranks: int, phase: str | None = None) -> Iterator[None]:
+    """The guard's own exchanges: known to the watchdog (as waiting at ``phase``'s guard point), not recorded."""
+    token = WATCHDOG.begin(op, ranks, 0, call_site(), phase=phase)
+    try:
+        yield
+    finally:
+        WATCHDOG.end(token)

@@ -6,11 +6,15 @@ message from deep inside gloo / NCCL. Every collective passes through ``comm.run
 registers it here while it is pending (a blocking call until it returns, an asynchronous one until its
 work completes). A daemon thread looks once a second: past the timeout it prints which collective is
 pending (op, group size, bytes, the zerotune call site, how long) and every thread's Python stack, then
-ends the process with exit status ``EXIT_STATUS``, so a launcher (torchrun) tears the job down.
+ends the process with exit status ``EXIT_STATUS``, so a launcher (torchrun) tears the job down. The same
+thread lets a rank stalled for a few seconds compare notes with the other stalled ranks
+(``guard_stall.py``): ranks deadlocked by diverging collectives end with ``CollectiveMismatch`` in
+seconds, not after the timeout.
 """
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import itertools
 import os
@@ -21,8 +25,12 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from zerotune.distributed.guard_stall import StallNotes
+
 EXIT_STATUS = 75
 """Exit status of a process the watchdog ended (EX_TEMPFAIL: a restart may succeed)."""
+MISMATCH_EXIT_STATUS = 1
+"""Exit status of a process stalled by diverging collectives (a bug in the script: a restart repeats it)."""
 
 
 @dataclass
@@ -32,6 +40,10 @@ class _Pending:
     nbytes: int
     site: str
     started: float
+    record: tuple[str, int] | None = None
+    """(group, index) of this collective in the collective guard's record."""
+    phase: str | None = None
+    """For a collective guard exchange: the phase it precedes."""
     handle: Any = None
     """A weak reference to the ``comm.Handle`` of an asynchronous collective (the watchdog must not keep its
     buffers alive: that would hold every gathered unit and bucket until the next check)."""
@@ -46,6 +58,8 @@ class Watchdog:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._thread: threading.Thread | None = None
+        self._exiting = threading.Event()
+        self._stall_notes = StallNotes()
         self.rank = 0
 
     def start(self, timeout_s: float, rank: int) -> None:
@@ -54,17 +68,31 @@ class Watchdog:
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="zerotune-watchdog", daemon=True)
             self._thread.start()
+            atexit.register(self._join)
+
+    def _join(self) -> None:
+        """At interpreter exit, end the thread before finalization does: a daemon thread that finalization
+        stops mid-wait aborts the process ("terminate called without an active exception", exit -6) about
+        one exit in three under torch 2.13."""
+        self._exiting.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
 
     def stop(self) -> None:
         self.timeout_s = None
 
-    def begin(self, op: str, ranks: int, nbytes: int) -> int | None:
-        """Register a collective about to be issued; returns its token (None when disarmed)."""
+    @property
+    def armed(self) -> bool:
+        return self.timeout_s is not None
+
+    def begin(self, op: str, ranks: int, nbytes: int, site: str, record: tuple[str, int] | None = None,
+              phase: str | None = None) -> int | None:
+        """Register a collective about to be issued from ``site``; returns its token (None when disarmed)."""
         if self.timeout_s is None:
             return None
         token = next(self._ids)
         with self._lock:
-            self._pending[token] = _Pending(op, ranks, nbytes, _call_site(), time.monotonic())
+            self._pending[token] = _Pending(op, ranks, nbytes, site, time.monotonic(), record, phase)
         return token
 
     def issued(self, token: int | None, handle: Any) -> None:
@@ -80,10 +108,13 @@ class Watchdog:
         if token is not None:
             with self._lock:
                 self._pending.pop(token, None)
+            if self._stall_notes.published == token:
+                self._stall_notes.withdraw(token)
 
     def _watch(self) -> None:
         while True:
-            time.sleep(0.5 if self.timeout_s is None else min(1.0, self.timeout_s / 10))
+            if self._exiting.wait(0.5 if self.timeout_s is None else min(1.0, self.timeout_s / 10)):
+                return
             timeout = self.timeout_s
             if timeout is None:
                 continue
@@ -93,8 +124,16 @@ class Watchdog:
                     if entry.handle is not None and _completed(entry.handle()):
                         del self._pending[token]
                 overdue = [e for e in self._pending.values() if now - e.started > timeout]
+                oldest = min(self._pending.items(), key=lambda item: item[1].started, default=(None, None))
             if overdue:
                 self._fire(min(overdue, key=lambda e: e.started), now, timeout)
+            token, entry = oldest
+            try:
+                verdict = self._stall_notes.tick(token, entry, now - entry.started if entry is not None else 0.0)
+            except Exception:  # noqa: BLE001 - the store's trouble is never a reason to end a run
+                verdict = None
+            if verdict is not None:
+                self._fire_mismatch(verdict)
 
     def _fire(self, entry: _Pending, now: float, timeout: float) -> None:
         message = (f"zerotune watchdog: rank {self.rank}: {entry.op} over {entry.ranks} ranks ({entry.nbytes} bytes, "
@@ -110,6 +149,15 @@ class Watchdog:
             os._exit(EXIT_STATUS)
 
 
+    def _fire_mismatch(self, verdict: str) -> None:
+        try:
+            sys.stderr.write(f"zerotune collective guard: rank {self.rank}: CollectiveMismatch: {verdict}\n"
+                             f"exiting with status {MISMATCH_EXIT_STATUS}.\n")
+            sys.stderr.flush()
+        finally:
+            os._exit(MISMATCH_EXIT_STATUS)
+
+
 def _completed(handle: Any) -> bool:
     if handle is None:  # dropped unwaited: nobody waits for it any more
         return True
@@ -117,16 +165,6 @@ def _completed(handle: Any) -> bool:
         return bool(handle.is_completed())
     except Exception:  # noqa: BLE001 - a failed work is not pending: its wait() reports it
         return True
-
-
-def _call_site() -> str:
-    """The first frame outside the collective layer: where zerotune (or the script) issued the collective."""
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.endswith(("distributed/comm.py", "zerotune/comm.py")):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
-    return f"{frame.f_code.co_filename}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
 WATCHDOG = Watchdog()

@@ -112,6 +112,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
     # ---- one batch -------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over GAS micro-batches; the mean loss on every rank."""
+        comm.guard_point("train_batch", self.global_steps, self.micro_steps)
         self.pipe.train()
         micro_batches = self.gradient_accumulation_steps()
         schedule = build_schedule(self._config.pipeline.schedule, micro_batches, self.num_stages, self.stage_id)
@@ -163,6 +164,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         """Forward-only over GAS micro-batches (or ``num_micro_batches``): the mean loss on every rank."""
         if return_logits or not compute_loss or reduce_output != "avg":
             raise NotImplementedError("eval_batch supports compute_loss=True, reduce_output='avg' and no logits")
+        comm.guard_point("eval_batch", self.global_steps, self.micro_steps)
         was_training = self.pipe.training
         self.pipe.eval()
         micro_batches = num_micro_batches or self.gradient_accumulation_steps()
@@ -183,6 +185,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the whole model, every stage's layers (tensor-parallel shards joined), under the
         Hugging Face model's own names when it was split from one. Every rank must call it."""
+        comm.guard_point("save_16bit_model", self.global_steps, self.micro_steps)
         entries = [(key, tensor) for key, tensor in self.pipe.state_dict(keep_vars=True).items()
                    if not (exclude_frozen_parameters and isinstance(tensor, torch.nn.Parameter)
                            and not tensor.requires_grad)]
