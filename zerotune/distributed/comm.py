@@ -22,6 +22,7 @@ A group of ``None`` from ``ProcessMesh.group`` means an axis of size 1: nothing 
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from zerotune.distributed.guard import GUARD, CollectiveMismatch, call_site, mismatch_message, setup_differences
+from zerotune.distributed.guard import (GUARD, CollectiveMismatch, PendingExchange, call_site, mismatch_message,
+                                        setup_differences)
 from zerotune.distributed.guard_stall import published_verdict
 from zerotune.distributed.watchdog import WATCHDOG
 
@@ -105,6 +107,8 @@ def run_collective(op: str, group: dist.ProcessGroup | None, nbytes: int, launch
     """Count ``nbytes`` under ``op``, record it for the guard, launch, and wait unless ``async_op``; failures
     become CommError. Every collective, zerotune's own and those issued through ``zerotune.comm``, passes
     here (``peer``: the other end of a point-to-point transfer)."""
+    if GUARD.pending is not None:
+        settle_guard()
     stats = _stats[op]
     stats.calls += 1
     stats.bytes += nbytes
@@ -135,7 +139,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 @contextmanager
 def _watched(op: str, group: dist.ProcessGroup | None, ranks: int, nbytes: int, peer: int | None = None,
              dtype: torch.dtype | None = None) -> Iterator[None]:
-    """A blocking call outside ``run_collective``: recorded for the guard, known to the watchdog while it waits."""
+    """A blocking call outside ``run_collective``: recorded for the guard, known to the watchdog while it waits
+    (the caller settles the guard first, outside its error handling)."""
     site = call_site() if GUARD.active or WATCHDOG.armed else ""
     record = GUARD.record(op, group, dtype, nbytes, site, peer) if GUARD.active else None
     token = WATCHDOG.begin(op, ranks, nbytes, site, record)
@@ -243,6 +248,7 @@ def send(tensor: torch.Tensor, dst: int, tag: int = 0) -> Handle:
 
 def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
     """Blocking point-to-point receive from global rank ``src`` into ``tensor`` (not counted: the sender counts)."""
+    settle_guard()
     try:
         with _watched("recv", None, 2, _nbytes(tensor), peer=src, dtype=tensor.dtype):
             dist.recv(tensor, src=src, tag=tag)
@@ -255,6 +261,7 @@ def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[obje
     if group is None:
         return [obj]
     gathered: list[object] = [None] * dist.get_world_size(group)
+    settle_guard()
     try:
         with _watched("all_gather_object", group, len(gathered), 0):
             dist.all_gather_object(gathered, obj, group=group)
@@ -267,6 +274,7 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
     """Wait for every rank of ``group`` (default: the whole world)."""
     if group is None and (not dist.is_initialized() or dist.get_world_size() == 1):
         return
+    settle_guard()
     try:
         with _watched("barrier", group, _group_size(group) if group is not None else dist.get_world_size(), 0):
             dist.barrier(group=group)
@@ -276,26 +284,46 @@ def barrier(group: dist.ProcessGroup | None = None) -> None:
 
 def guard_point(phase: str, step: int, micro_step: int) -> None:
     """Compare every rank's collective record before an engine phase that communicates (``guard.py``): one
-    small all-gather on the guard's own group, neither counted nor recorded. On any difference every rank
-    raises ``CollectiveMismatch`` naming each rank's phase and last collectives."""
+    small all-gather on the guard's own group, neither counted nor recorded. It is launched here and waited
+    for by this rank's next collective (``settle_guard``), so it overlaps the phase's computation; no data
+    collective is issued before the records agree. On any difference every rank raises
+    ``CollectiveMismatch`` naming each rank's phase and last collectives."""
+    settle_guard()
     group = GUARD.group
     if group is None:
         return
+    started = time.perf_counter()
     GUARD.points += 1
     row = GUARD.vector(phase, step, micro_step)
-    world = dist.get_world_size(group)
-    rows = torch.empty(world * row.numel(), dtype=row.dtype)
+    rows = torch.empty(dist.get_world_size(group) * row.numel(), dtype=row.dtype)
     try:
-        with _watched_only(f"collective guard before {phase}", world, phase=f"{phase} (step {step}, micro-step "
-                                                                              f"{micro_step})"):
-            _all_gather_single(rows, row, group=group)
-            rows = rows.view(world, -1)
-            problems = GUARD.disagreements(rows)
-            if problems:
-                described: list[object] = [None] * world
-                dist.all_gather_object(described, GUARD.describe(phase, step, micro_step), group=group)
+        work = _all_gather_single(rows, row, group=group, async_op=True)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure(f"collective guard exchange before {phase}", group, error) from error
+    GUARD.pending = PendingExchange(work, rows, phase, step, micro_step)
+    GUARD.seconds += time.perf_counter() - started
+
+
+def settle_guard() -> None:
+    """Wait for the guard exchange in flight, if any, and raise ``CollectiveMismatch`` if the records differ."""
+    pending, GUARD.pending = GUARD.pending, None
+    if pending is None or GUARD.group is None:
+        return
+    group, world = GUARD.group, dist.get_world_size(GUARD.group)
+    phase = pending.phase
+    started = time.perf_counter()
+    try:
+        with _watched_only(f"collective guard before {phase}", world,
+                           phase=f"{phase} (step {pending.step}, micro-step {pending.micro_step})"):
+            pending.work.wait()
+            problems = GUARD.disagreements(pending.rows.view(world, -1))
+            if problems:
+                described: list[object] = [None] * world
+                dist.all_gather_object(described, GUARD.describe(phase, pending.step, pending.micro_step),
+                                       group=group)
+    except Exception as error:  # noqa: BLE001 - re-raised with context
+        raise _describe_failure(f"collective guard exchange before {phase}", group, error) from error
+    GUARD.seconds += time.perf_counter() - started
     if problems:
         raise CollectiveMismatch(mismatch_message(described, problems))
 
@@ -305,6 +333,7 @@ def check_same_setup(config: dict, model_signature: list[str], model_peers: tupl
     pieces of ranks that hold the same piece (``model_peers``, this rank's data-parallel group) alike --
     ranks started differently would otherwise pair unrelated collectives from their first step.
     ``model_signature``: each parameter's name, shape and dtype."""
+    settle_guard()
     group = GUARD.group
     if group is None:
         return

@@ -8,10 +8,12 @@ hang until the 30-minute timeout. DeepSpeed, FSDP and Megatron do not check.
 
 Here every collective zerotune issues (``comm.run_collective``) is folded into a running CRC of its
 group: op, dtype, bytes and the call site (``record``). Before each engine phase that communicates
-(``GUARD_POINTS``: a forward at stage 3 or under model parallelism, a backward that reduces gradients, the
-optimizer step, checkpoint save / load) the engine calls ``comm.guard_point``: one all-gather of a
-small integer vector -- the phase, the step and micro-step counters, and each group's (count, CRC) -- on
-the guard's own gloo group, so it never pairs with a data collective. Every rank then sees every other
+(the first of a micro-step's phases that communicates -- a forward at stage 3 or under model parallelism,
+else a backward that reduces gradients, else the optimizer step -- and checkpoint save / load) the engine
+calls ``comm.guard_point``: one all-gather of a small integer vector -- the phase, the step and
+micro-step counters, and each group's (count, CRC) -- on the guard's own gloo group, so it never pairs
+with a data collective. It is launched there and waited for by the rank's next collective, so it
+overlaps the computation that comes first. Every rank then sees every other
 rank's vector and reaches the same verdict; on any difference every rank raises ``CollectiveMismatch``,
 naming each rank's phase and its last collectives with their call sites (a second, object exchange on
 the same group). ``check_same_setup`` compares the configs (and each data-parallel group's model
@@ -60,6 +62,17 @@ def _key_id(name: str) -> int:
     return zlib.crc32(name.encode())
 
 
+@dataclass
+class PendingExchange:
+    """A guard point's all-gather in flight: the next collective waits for it and checks the rows."""
+
+    work: Any
+    rows: torch.Tensor
+    phase: str
+    step: int
+    micro_step: int
+
+
 class CollectiveGuard:
     """Per-process state: the group logs, the guard's group, and the phase/point logic."""
 
@@ -69,6 +82,8 @@ class CollectiveGuard:
         self.rank = 0
         self._generation = 0
         self.points = 0  # guard points passed (benchmarks: exchanges per step)
+        self.seconds = 0.0  # time the training thread spent launching and waiting for exchanges (benchmarks)
+        self.pending: PendingExchange | None = None
         self._logs: dict[str, GroupLog] = {}
         self._names: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, log name)
 
@@ -87,6 +102,7 @@ class CollectiveGuard:
         self._generation += 1  # every rank starts alike, so the generations agree
         self.store = None if store is None else dist.PrefixStore(f"zerotune/guard/{self._generation}", store)
         self.rank = rank
+        self.pending = None
         self._logs.clear()
         self._names.clear()
         for group in [dist.group.WORLD, *groups]:
@@ -96,6 +112,7 @@ class CollectiveGuard:
     def stop(self) -> None:
         self.group = None
         self.store = None
+        self.pending = None
         self._logs.clear()
         self._names.clear()
 
@@ -134,16 +151,15 @@ class CollectiveGuard:
     def vector(self, phase: str, step: int, micro_step: int) -> torch.Tensor:
         """This rank's row: phase, counters, and (group id, count, CRC) per group in name order."""
         logs = [self._logs[name] for name in sorted(self._logs)][:SLOTS]
-        row = torch.zeros(HEADER + 3 * SLOTS, dtype=torch.int64)
-        row[:HEADER] = torch.tensor([_key_id(phase), step, micro_step, len(logs)])
-        for slot, log in enumerate(logs):
-            row[HEADER + 3 * slot:HEADER + 3 * slot + 3] = torch.tensor([_key_id(log.name), log.count, log.crc])
-        return row
+        values = [_key_id(phase), step, micro_step, len(logs)]
+        for log in logs:
+            values += (_key_id(log.name), log.count, log.crc)
+        return torch.tensor(values + [0] * (HEADER + 3 * SLOTS - len(values)), dtype=torch.int64)
 
     @staticmethod
     def disagreements(rows: torch.Tensor) -> list[str]:
         """What the ranks' rows disagree on; every rank computes the same list from the same rows."""
-        if bool((rows == rows[0]).all()):
+        if torch.equal(rows, rows[:1].expand_as(rows)):  # the usual verdict, cheaply
             return []
         problems = []
         if not bool((rows[:, :3] == rows[0, :3]).all()):
