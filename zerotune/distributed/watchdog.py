@@ -25,7 +25,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from zerotune.distributed.guard_stall import StallNotes
+from zerotune.distributed.guard_stall import SPREAD_S, StallNotes
 
 EXIT_STATUS = 75
 """Exit status of a process the watchdog ended (EX_TEMPFAIL: a restart may succeed)."""
@@ -154,6 +154,7 @@ class Watchdog:
             sys.stderr.write(f"zerotune collective guard: rank {self.rank}: CollectiveMismatch: {verdict}\n"
                              f"exiting with status {MISMATCH_EXIT_STATUS}.\n")
             sys.stderr.flush()
+            time.sleep(SPREAD_S)  # the other stalled ranks read the verdict from the store meanwhile
         finally:
             os._exit(MISMATCH_EXIT_STATUS)
 

@@ -8,7 +8,7 @@ one ``DataError`` line naming the file or column and what would be valid.
 
 Output shapes, so the training loop needs no per-source code:
   classification: columns ``text`` [, ``text_pair``], ``label`` (ClassLabel ids 0..K-1)
-  causal LM:      column ``text``, or columns ``prompt`` and ``response``
+  causal LM:      ``text``, ``prompt`` + ``response``, ``messages`` or ``input_ids`` (``formats.py``)
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import datasets
 import yaml
 
 from zerotune.finetune import assets
+from zerotune.finetune.formats import to_canonical
 from zerotune.finetune.data_files import (
     DataError,
     describe_files,
@@ -98,12 +99,14 @@ def _load_local_classification(spec: DataSpec) -> tuple[datasets.Dataset, datase
 
 @quiet_datasets()
 def load_causal_lm_data(
-    spec: DataSpec, *, prompt_column: str | None = None, response_column: str | None = None
+    spec: DataSpec, *, prompt_column: str | None = None, response_column: str | None = None, data_format: str = "auto"
 ) -> tuple[datasets.Dataset, datasets.Dataset]:
-    """Train and eval sets with a ``text`` column, or ``prompt`` and ``response`` columns.
+    """Train and eval sets in one of the shapes of ``formats.py``: ``text``, ``prompt``/``response``,
+    ``messages`` or ``input_ids``.
 
-    Prompt/response mode is chosen by giving both column names (or the bundled chatterbot corpus);
-    only the response tokens are then trained on (see ``tokenize_causal_lm``).
+    ``data_format`` "auto" detects the layout from the columns (chat messages, ShareGPT conversations,
+    alpaca, prompt/response -- also chosen by giving both column names --, pre-tokenized ids, text); every
+    row is checked, and a bad one is one ``DataError`` naming the files, the row and the key.
     """
     _check_spec(spec, BUNDLED_CAUSAL_LM)
     if (prompt_column is None) != (response_column is None):
@@ -113,13 +116,15 @@ def load_causal_lm_data(
         full = datasets.Dataset.from_dict({"prompt": [q for q, _ in pairs], "response": [a for _, a in pairs]})
         train, evaluation = _split(full, None, spec)
     else:
-        columns = {"prompt": prompt_column, "response": response_column} if prompt_column else {"text": spec.text_column}
-        train = _select_columns(load_files(spec.train_files, "train"), columns, spec.train_files)
-        _check_no_missing(train, list(columns), columns, spec.train_files)
-        evaluation = None
-        if spec.eval_files:
-            evaluation = _select_columns(load_files(spec.eval_files, "eval"), columns, spec.eval_files)
-            _check_no_missing(evaluation, list(columns), columns, spec.eval_files)
+        def canonical(files: list[str], role: str) -> datasets.Dataset:
+            return to_canonical(load_files(files, role), data_format, files, text_column=spec.text_column,
+                                prompt_column=prompt_column, response_column=response_column)
+
+        train = canonical(spec.train_files, "train")
+        evaluation = canonical(spec.eval_files, "eval") if spec.eval_files else None
+        if evaluation is not None and evaluation.column_names != train.column_names:
+            raise DataError(f"the eval data ({describe_files(spec.eval_files)}) is laid out as "
+                            f"{', '.join(evaluation.column_names)} but the train data as {', '.join(train.column_names)}")
         train, evaluation = _split(train, evaluation, spec)
     return _truncate(train, spec.max_train_samples, spec.seed), _truncate(evaluation, spec.max_eval_samples, spec.seed)
 

@@ -21,6 +21,7 @@ from zerotune.config.errors import ConfigError
 from zerotune.config.schema import ZeroTuneConfig
 from zerotune.config.section import Section
 from zerotune.config.types import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, Stage, Str
+from zerotune.finetune.formats import FORMATS
 
 # Names the finetune asset layer (zerotune/finetune/assets.py) knows how to fetch offline.
 BUNDLED_MODELS = ("all-MiniLM-L6-v2", "SmolLM2-135M-Instruct")
@@ -76,6 +77,8 @@ class DataSection(Section):
     """Column with the prompt / question (causal LM, with response_column); the loss is not taken on these tokens. None (with response_column None) trains on text_column as plain text."""
     response_column: Optional[Str] = None
     """Column with the answer (causal LM, with prompt_column); the loss is taken on these tokens only."""
+    format: Literal[FORMATS] = "auto"  # type: ignore[valid-type]
+    """Causal LM: how the examples are laid out. auto detects it from the columns: messages (OpenAI / TRL chat: role + content turns, loss on the assistant turns through the tokenizer's chat template), conversations (ShareGPT: from + value), instruction + input + output (alpaca: loss on the output), prompt + response (or prompt_column + response_column: loss on the response), input_ids [+ labels] (tokens, pre-tokenized), else text_column (text: loss on every token)."""
     eval_fraction: Fraction = 0.1
     """Fraction of the training data held out for evaluation when eval_files is not given."""
     max_train_samples: Optional[PosInt] = None
@@ -268,6 +271,9 @@ def _check_data(recipe: Recipe) -> None:
         missing = "prompt_column" if data.prompt_column is None else "response_column"
         raise RecipeError(f"data.{missing}", "give both data.prompt_column and data.response_column "
                                              "(question/answer data), or neither (plain text)")
+    if data.prompt_column is not None and data.format not in ("auto", "prompt_response"):
+        raise RecipeError("data.format", f"is {data.format!r}, but data.prompt_column / data.response_column name "
+                                         "prompt/response columns; set data.format: prompt_response or remove them")
     if data.eval_files is not None and "eval_fraction" in data.model_fields_set:
         raise RecipeError("data.eval_fraction", "unused when data.eval_files is given; remove one of them")
 
@@ -285,7 +291,7 @@ def _check_method(recipe: Recipe) -> None:
 
 _TASK_ONLY = {
     "sequence-classification": (("model", "num_labels"), ("data", "label_column"), ("data", "text_pair_column")),
-    "causal-lm": (("data", "prompt_column"), ("data", "response_column")),
+    "causal-lm": (("data", "prompt_column"), ("data", "response_column"), ("data", "format")),
 }
 
 

@@ -62,9 +62,9 @@ def check_recipe_inputs(recipe) -> list[str]:
 
 
 def _load_causal_lm(recipe):
-    """Train/eval rows with ``prompt``/``response`` (question/answer data) or ``text`` (plain text)."""
+    """Train/eval rows in one of ``formats.py``'s shapes: text, prompt/response, chat messages or token ids."""
     return load_causal_lm_data(_data_spec(recipe), prompt_column=recipe.data.prompt_column,
-                               response_column=recipe.data.response_column)
+                               response_column=recipe.data.response_column, data_format=recipe.data.format)
 
 
 def load_task_data(recipe, tokenizer) -> tuple:
