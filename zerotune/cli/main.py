@@ -1,5 +1,5 @@
 """The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model, ``report`` a run,
-``export`` a checkpoint."""
+``generate`` / ``chat`` with its result, ``export`` a checkpoint."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 from zerotune.cli.check import add_check_parser
 from zerotune.cli.export import add_export_parser
 from zerotune.cli.finetune import add_finetune_parser
+from zerotune.cli.generate import add_generate_parsers
 from zerotune.cli.report import add_report_parser
 from zerotune.cli.run import add_run_parser
 
@@ -20,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_parser(subparsers)
     add_finetune_parser(subparsers)
     add_report_parser(subparsers)
+    add_generate_parsers(subparsers)
     add_export_parser(subparsers)
     return parser
 

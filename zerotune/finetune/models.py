@@ -1,4 +1,5 @@
-"""Load the model and tokenizer a recipe names, and apply its fine-tuning method (full, LoRA, prefix).
+"""Load the model and tokenizer a recipe names, and apply its fine-tuning method (full, LoRA / DoRA /
+rsLoRA, QLoRA, prefix, freeze).
 
 Bundled model names resolve to offline assets (``finetune.assets``); anything else is a local
 Hugging Face directory. LoRA and prefix tuning go through peft: the base weights are frozen
@@ -53,51 +54,134 @@ def resolve_model_path(name_or_path: str) -> Path:
     return path
 
 
-def load_tokenizer(path: Path) -> Any:
+def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:  # causal LMs often have none; padding reuses end-of-sequence
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def load_model(path: Path, task: str, num_labels: int | None = None, label_names: list[str] | None = None) -> Any:
-    """The task's model head on the pretrained body, in fp32 (the engine casts per its precision)."""
+DTYPES = {"auto": torch.float32, "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""``model.dtype`` -> the dtype weights load in; "auto" is fp32: the engine casts per its precision and keeps
+fp32 masters made from the checkpoint's exact values."""
+
+
+def load_model(path: Path, task: str, num_labels: int | None = None, label_names: list[str] | None = None,
+               quantize_bits: int | None = None, dtype: str = "auto", trust_remote_code: bool = False) -> Any:
+    """The task's model head on the pretrained body, in ``DTYPES[dtype]``; ``quantize_bits`` 4 or 8 loads the
+    linear layers quantized by bitsandbytes (QLoRA's frozen base); ``trust_remote_code`` lets the directory's
+    own modelling code run."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     from zerotune.finetune.gguf_models import drop_quantizer
 
+    quantized = {} if quantize_bits is None else {"quantization_config": _bitsandbytes_config(quantize_bits)}
+    loading = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, **quantized}
     try:
         if task == "sequence-classification":
             id2label = {i: name for i, name in enumerate(label_names)} if label_names else None
-            return AutoModelForSequenceClassification.from_pretrained(
+            model = AutoModelForSequenceClassification.from_pretrained(
                 path, num_labels=num_labels, id2label=id2label,
-                label2id={name: i for i, name in id2label.items()} if id2label else None, dtype=torch.float32)
-        return drop_quantizer(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+                label2id={name: i for i, name in id2label.items()} if id2label else None, **loading)
+            return _keep_quantized_weights_as_loaded(model) if quantized else model
+        model = AutoModelForCausalLM.from_pretrained(path, **loading)
+        return _keep_quantized_weights_as_loaded(model) if quantized else drop_quantizer(model)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot load {task} model from {path}: {error}") from error
+
+
+def _bitsandbytes_config(bits: int) -> Any:
+    try:
+        import bitsandbytes  # noqa: F401 - transformers needs it importable
+    except ImportError:
+        raise ModelLoadError("method.type qlora needs bitsandbytes: pip install bitsandbytes") from None
+    from transformers import BitsAndBytesConfig
+
+    if bits == 4:  # QLoRA's choices: NF4 with double quantization, computing in fp32 (the engine casts)
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=torch.float32)
+    return BitsAndBytesConfig(load_in_8bit=True)
+
+
+def _keep_quantized_weights_as_loaded(model: Any) -> Any:
+    """bitsandbytes repacks a 4-bit weight in place for its CPU inference kernel the first time a module runs
+    without gradients (an evaluation): the frozen base would change layout mid-run under the engine, and
+    the repacking fails outright for widths that are not a multiple of its block. Keep the loaded layout."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def apply_method(model: Any, task: str, method: Any) -> Any:
     """Wrap ``model`` for the recipe's method; full fine-tuning returns it unchanged."""
     if method.type == "full":
         return model
+    if method.type == "freeze":
+        return freeze_except(model, task, method.trainable_layers, method.trainable_modules)
     from peft import LoraConfig, PrefixTuningConfig, TaskType, get_peft_model
 
     task_type = TaskType.SEQ_CLS if task == "sequence-classification" else TaskType.CAUSAL_LM
-    if method.type == "lora":
+    if method.type in ("lora", "qlora"):
         targets = method.target_modules or DEFAULT_LORA_TARGETS.get(model.config.model_type)
         if not targets:
             raise ModelLoadError(f"method.target_modules: no default LoRA targets for model type "
                                  f"'{model.config.model_type}'; name the linear layers to adapt")
         config = LoraConfig(task_type=task_type, r=method.r, lora_alpha=method.alpha, lora_dropout=method.dropout,
-                            target_modules=list(targets))
+                            target_modules=list(targets), use_dora=method.dora, use_rslora=method.rslora)
     else:
         if task == "sequence-classification":
             check_prefix_tuning_support(model)
         config = PrefixTuningConfig(task_type=task_type, num_virtual_tokens=method.num_virtual_tokens)
     return get_peft_model(model, config)
+
+
+def freeze_except(model: torch.nn.Module, task: str, layers: int | None, modules: list[str] | str | None
+                  ) -> torch.nn.Module:
+    """Freeze tuning: only the last ``layers`` transformer blocks (then the final norm too), the modules
+    ``modules`` names (a list of names or one regex over module names), and a classification head --
+    newly initialised, it must train -- keep ``requires_grad``."""
+    import re
+
+    names = dict(model.named_modules())
+    chosen: list[str] = []
+    if layers is not None:
+        blocks = _transformer_blocks(model)
+        if layers > len(blocks):
+            raise ModelLoadError(f"method.trainable_layers: {layers}, but the model has {len(blocks)} blocks")
+        chosen += [name for name, _ in blocks[-layers:]]
+        chosen += [name for name in names if name.endswith(("model.norm", "final_layer_norm", "ln_f"))]
+    if modules is not None:
+        pattern = re.compile(modules) if isinstance(modules, str) else None
+        matched = [name for name in names if name and (pattern.fullmatch(name) if pattern else
+                                                        any(name == m or name.endswith("." + m) for m in modules))]
+        if not matched:
+            raise ModelLoadError(f"method.trainable_modules: {modules!r} matches no module of the model (e.g. "
+                                 f"{', '.join(list(names)[1:6])})")
+        chosen += matched
+    if task == "sequence-classification":
+        chosen += [name for name in names if name.split(".")[-1] in ("score", "classifier", "pre_classifier")]
+    for param in model.parameters():
+        param.requires_grad = False
+    for name in chosen:
+        for param in names[name].parameters():
+            param.requires_grad = True
+    return model
+
+
+def _transformer_blocks(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's repeated blocks: the longest ModuleList whose children are all of one class."""
+    best: list[tuple[str, torch.nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) > len(best) \
+                and len({type(child) for child in module}) == 1:
+            best = [(f"{name}.{index}", child) for index, child in enumerate(module)]
+    if not best:
+        raise ModelLoadError("method.trainable_layers: found no list of transformer blocks in the model; name the "
+                             "modules to train with method.trainable_modules")
+    return best
 
 
 def check_prefix_tuning_support(model: torch.nn.Module) -> None:

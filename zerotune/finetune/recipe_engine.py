@@ -176,7 +176,22 @@ def derive_engine_config(recipe: Recipe, *, total_steps: int | None, dp_world_si
             resolve_config(validated, dp_world_size=dp_world_size)
     except ConfigError as error:
         raise RecipeError.of(error, "engine") from None
+    _check_method_fits_engine(recipe, validated)
     return config
+
+
+def _check_method_fits_engine(recipe: Recipe, engine: Any) -> None:
+    """A method or load dtype the engine layout cannot train is refused at load, naming both."""
+    stage, method = engine.zero_optimization.stage, recipe.method.type
+    precision = "bf16" if engine.bf16.enabled else "fp16" if engine.fp16.enabled else "fp32"
+    if recipe.model.dtype in ("bf16", "fp16") and recipe.model.dtype != precision:
+        raise RecipeError("model.dtype", f"{recipe.model.dtype} weights with engine.precision {precision}: the engine "
+                                         f"would train {recipe.model.dtype} values as {precision}; set engine.precision "
+                                         f"{recipe.model.dtype}, or model.dtype auto / fp32")
+    if method == "qlora" and stage == 3:
+        raise RecipeError("method.type", "qlora with ZeRO stage 3 (engine.zero_stage): stage 3 partitions every "
+                                         "parameter, and the frozen base's 4/8-bit weights are packed integers "
+                                         "bitsandbytes must hold whole; use zero_stage 0-2 (the adapters are tiny)")
 
 
 def _fill_scheduler(config: dict[str, Any], recipe: Recipe, lr: Any, total: int | None, at_load: bool) -> None:

@@ -28,11 +28,14 @@ BUNDLED_MODELS = ("all-MiniLM-L6-v2", "SmolLM2-135M-Instruct")
 BUNDLED_DATA = ("rotten_tomatoes", "chatterbot_corpus_english")
 
 TASKS = ("sequence-classification", "causal-lm")
-METHODS = ("full", "lora", "prefix")
+METHODS = ("full", "lora", "qlora", "prefix", "freeze")
 # Which method.* options belong to which method.type; "type" itself belongs to all.
+_LORA_OPTIONS = ("r", "alpha", "dropout", "target_modules", "dora", "rslora")
 METHOD_OPTIONS = {
-    "lora": ("r", "alpha", "dropout", "target_modules"),
+    "lora": _LORA_OPTIONS,
+    "qlora": (*_LORA_OPTIONS, "bits"),
     "prefix": ("num_virtual_tokens",),
+    "freeze": ("trainable_layers", "trainable_modules"),
 }
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -53,7 +56,7 @@ class ModelSection(Section):
     num_labels: Optional[PosInt] = None
     """Number of classes for sequence classification; None infers it from the training labels."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """dtype the weights are loaded in; "auto" keeps the checkpoint's own dtype."""
+    """dtype the weights are loaded in; "auto" is fp32 (the engine casts per its precision and keeps fp32 masters made from the checkpoint's exact values). bf16 / fp16 halve the loading memory and need the same engine.precision."""
     trust_remote_code: StrictBool = False
     """Allow the model directory to run its own Python modelling code (only for directories you trust)."""
 
@@ -97,7 +100,7 @@ class MethodSection(Section):
     """
 
     type: Literal[METHODS] = "full"  # type: ignore[valid-type]
-    """full (train every weight), lora (low-rank adapters) or prefix (prefix tuning)."""
+    """full (train every weight), lora (low-rank adapters), qlora (LoRA on a 4- or 8-bit frozen base, through bitsandbytes; ZeRO 0-2), prefix (prefix tuning) or freeze (train the last trainable_layers blocks and/or the trainable_modules, the rest frozen)."""
     r: PosInt = 8
     """LoRA: rank of the adapter matrices."""
     alpha: PosFloat = 16
@@ -106,6 +109,16 @@ class MethodSection(Section):
     """LoRA: dropout on the adapter input."""
     target_modules: Optional[Union[list[Str], Str]] = None
     """LoRA: names (or one regex) of the modules to adapt; None uses the per-architecture default."""
+    dora: StrictBool = False
+    """LoRA / QLoRA: weight-decomposed adapters (DoRA: a trained magnitude per output on top of the low-rank direction)."""
+    rslora: StrictBool = False
+    """LoRA / QLoRA: rank-stabilized scaling alpha / sqrt(r) instead of alpha / r."""
+    bits: Literal[4, 8] = 4
+    """QLoRA: the frozen base's precision, 4 (NF4, double-quantized) or 8 (LLM.int8)."""
+    trainable_layers: Optional[PosInt] = None
+    """Freeze tuning: train the last N transformer blocks (with the final norm, and a new classification head)."""
+    trainable_modules: Optional[Union[list[Str], Str]] = None
+    """Freeze tuning: names (or one regex) of the modules to train besides trainable_layers."""
     num_virtual_tokens: PosInt = 20
     """Prefix tuning: number of trainable virtual tokens prepended at every layer."""
 
@@ -280,13 +293,14 @@ def _check_data(recipe: Recipe) -> None:
 
 def _check_method(recipe: Recipe) -> None:
     method = recipe.method
-    for owner, options in METHOD_OPTIONS.items():
-        if owner == method.type:
-            continue
-        for option in options:
-            if option in method.model_fields_set:
-                raise RecipeError(f"method.{option}", f"a {owner} option, but method.type is {method.type!r}; "
-                                                      f"remove it or set method.type={owner}")
+    for option in sorted(method.model_fields_set - {"type"}):
+        owners = [owner for owner, options in METHOD_OPTIONS.items() if option in options]
+        if method.type not in owners:
+            raise RecipeError(f"method.{option}", f"a {' / '.join(owners)} option, but method.type is {method.type!r}; "
+                                                  f"remove it or set method.type={owners[0]}")
+    if method.type == "freeze" and method.trainable_layers is None and method.trainable_modules is None:
+        raise RecipeError("method.trainable_layers", "freeze tuning trains nothing unless method.trainable_layers "
+                                                     "(the last N blocks) or method.trainable_modules is set")
 
 
 _TASK_ONLY = {

@@ -102,10 +102,12 @@ def run(args: argparse.Namespace) -> dict:
     comm.barrier()
     torch.manual_seed(recipe.train.seed)
     model_path = resolve_model_path(recipe.model.name_or_path)
-    tokenizer = load_tokenizer(model_path)
+    tokenizer = load_tokenizer(model_path, recipe.model.trust_remote_code)
     train_set, eval_set, label_names = load_task_data(recipe, tokenizer)
-    model = apply_method(load_model(model_path, recipe.task, len(label_names), label_names), recipe.task,
-                         recipe.method)
+    bits = recipe.method.bits if recipe.method.type == "qlora" else None
+    model = apply_method(load_model(model_path, recipe.task, len(label_names), label_names, quantize_bits=bits,
+                                    dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code),
+                         recipe.task, recipe.method)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
 
     collate = make_collator(tokenizer, recipe.task)
@@ -154,7 +156,8 @@ def run(args: argparse.Namespace) -> dict:
                "before_eval": before, "after_eval": after, "steps": engine.global_steps,
                "wall_seconds": time.perf_counter() - started, "samples_per_s": throughput["samples_per_s"],
                "peak_memory_mib_per_rank": peaks, "task": recipe.task, "method": recipe.method.type,
-               "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage()}
+               "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage(),
+               "quantize_bits": bits}
     save_trained_model(engine, tokenizer, output, merge=args.merge)
     if env.rank == 0:
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
