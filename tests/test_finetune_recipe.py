@@ -75,7 +75,7 @@ def test_bundled_recipes_ship_and_derive_a_valid_engine_config(name):
     assert resolved.zero_optimization.stage == 2 and not resolved.bf16.enabled and not resolved.fp16.enabled
     assert resolved.optimizer.type == "AdamW" and resolved.optimizer.params["lr"] == r.train.lr
     assert resolved.scheduler.type == "WarmupDecayLR"
-    assert resolved.scheduler.params["total_num_steps"] == r.train.max_steps
+    assert resolved.scheduler.params["total_num_steps"] == r.train.max_steps + 1  # no step at lr 0 at the end
     assert resolved.gradient_clipping == 1.0
 
 
@@ -305,12 +305,30 @@ def test_engine_config_from_train_settings():
     assert config["train_micro_batch_size_per_gpu"] == 4 and config["gradient_accumulation_steps"] == 2
     assert config["optimizer"] == {"type": "AdamW", "params": {"lr": 3e-5, "weight_decay": 0.1}}
     assert config["scheduler"] == {"type": "WarmupDecayLR", "params": {
-        "total_num_steps": 100, "warmup_min_lr": 0.0, "warmup_max_lr": 3e-5, "warmup_num_steps": 10,
-        "warmup_type": "linear"}}
+        "total_num_steps": 101, "warmup_min_lr": 0.0, "warmup_max_lr": 3e-5, "warmup_num_steps": 10,
+        "warmup_type": "linear", "last_batch_iteration": 1}}
     assert config["gradient_clipping"] == 0.5
     assert "zero_optimization" not in config and "bf16" not in config
     resolved = resolve_config(load_config(config), dp_world_size=2)
     assert resolved.train_batch_size == 16
+
+
+def test_the_first_step_trains_at_the_first_warmup_lr_and_no_step_at_lr_0():
+    """Step k applies lr * k / warmup during the warm-up, then decays linearly, ending above 0 (the old
+    schedule applied lr 0 at steps 1 and 2, and at the last one)."""
+    import torch
+
+    from zerotune.optim import build_scheduler
+
+    r = load_recipe(recipe(train={"max_steps": 8, "lr": 1.0, "warmup_steps": 4}))
+    scheduler_config = recipe_engine_config(r)["scheduler"]
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    scheduler = build_scheduler(scheduler_config["type"], scheduler_config["params"], optimizer)
+    applied = []
+    for _ in range(8):  # what each optimizer step trains with, then the engine steps the schedule
+        applied.append(optimizer.param_groups[0]["lr"])
+        scheduler.step()
+    assert applied == pytest.approx([0.25, 0.5, 0.75, 1.0, 0.8, 0.6, 0.4, 0.2])
 
 
 def test_schedule_without_known_length_or_warmup():

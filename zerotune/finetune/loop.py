@@ -120,6 +120,7 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
             loss = engine(**batch).loss
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
+            applied_lr = engine.get_lr()[0]  # what this step trains with (the scheduler moves on in step())
             engine.step()
             window_loss += loss.item() / gas
             if not boundary:
@@ -130,11 +131,11 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
             elapsed = time.perf_counter() - started
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix(loss=f"{window_loss / window_steps:.4f}", lr=f"{engine.get_lr()[0]:.2e}",
+                progress.set_postfix(loss=f"{window_loss / window_steps:.4f}", lr=f"{applied_lr:.2e}",
                                      samples_s=f"{samples / elapsed:.1f}")
             if step % settings.log_every == 0 or step == settings.total_steps:
                 metrics.write({"split": "train", "step": step, "epoch": consumed_epochs(engine, per_epoch),
-                               "loss": window_loss / window_steps, "lr": engine.get_lr()[0],
+                               "loss": window_loss / window_steps, "lr": applied_lr,
                                "samples_per_s": samples / elapsed, "time_s": elapsed})
                 window_loss, window_steps = 0.0, 0
             if settings.eval_every and step % settings.eval_every == 0 and step < settings.total_steps:

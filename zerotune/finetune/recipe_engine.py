@@ -209,12 +209,14 @@ def _fill_scheduler(config: dict[str, Any], recipe: Recipe, lr: Any, total: int 
     warmup_explicit = train.warmup_ratio is not None or "warmup_steps" in train.model_fields_set
     scheduler = config.get("scheduler")
     if scheduler is None:
-        # Without warmup the "warmup" holds lr flat: the schedule floors warmup_num_steps at 2 and
-        # would otherwise spend the first step at lr 0.
-        params = {"warmup_min_lr": 0.0 if warmup else lr, "warmup_max_lr": lr, "warmup_num_steps": warmup,
-                  "warmup_type": "linear"}
+        # Optimizer step k applies the schedule's iteration k (it starts at iteration 1): the first step
+        # trains at the warm-up's first non-zero lr, lr / warmup, not at 0 twice as a schedule started at
+        # -1 would; the decay ends one iteration after the last step, so no step runs at lr 0. Without
+        # warmup (or a 1-step one) the lr is flat: the schedule floors warmup_num_steps at 2.
+        params = {"warmup_min_lr": 0.0 if warmup > 1 else lr, "warmup_max_lr": lr, "warmup_num_steps": warmup,
+                  "warmup_type": "linear", "last_batch_iteration": 1}
         if total is not None:
-            config["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": total, **params}}
+            config["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": total + 1, **params}}
         else:
             config["scheduler"] = {"type": "WarmupLR", "params": params}
         return
