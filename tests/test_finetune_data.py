@@ -424,8 +424,8 @@ def test_num_labels_mismatch():
 @pytest.mark.parametrize(
     ("spec", "expected"),
     [
-        (DataSpec(None, None, None), "give either data.train_files"),
-        (DataSpec([data("train.csv")], None, "rotten_tomatoes"), "not both or neither"),
+        (DataSpec(None, None, None), "give one of data.train_files"),
+        (DataSpec([data("train.csv")], None, "rotten_tomatoes"), "give one of data.train_files"),
         (DataSpec(None, None, "rotten_tomatos"), "unknown bundled data set 'rotten_tomatos' .*did you mean 'rotten_tomatoes'"),
         (DataSpec(None, [data("eval.csv")], "rotten_tomatoes"), "drop data.eval_files"),
         (DataSpec([data("train.csv")], None, None, "sentence", eval_fraction=1.5), "eval_fraction must be between 0 and 1"),

@@ -170,3 +170,39 @@ def test_lora_on_chat_messages_lowers_the_assistant_loss(tmp_path: Path) -> None
     summary = run_distributed(_finetune, 2, str(path), str(tmp_path / "run"), timeout=240)[0]
     assert summary["after"] < 0.5 * summary["before"], summary
     print(f"chat messages, LoRA, 30 steps: assistant-token loss {summary['before']:.3f} -> {summary['after']:.3f}")
+
+
+def test_a_data_set_directory_with_splits_or_a_folder_of_files(tmp_path, tokenizer) -> None:
+    splits = datasets.DatasetDict({
+        "train": datasets.Dataset.from_dict({"messages": [CONVERSATION] * 6}),
+        "test": datasets.Dataset.from_dict({"messages": [CONVERSATION[:3]] * 2})})
+    splits.save_to_disk(str(tmp_path / "saved"))
+    train, evaluation = load_causal_lm_data(DataSpec(None, None, None, dataset=str(tmp_path / "saved"), eval_split="test"))
+    assert (len(train), len(evaluation)) == (6, 2)
+    assert _trained_tokens(tokenizer, tokenize_causal_lm(evaluation, tokenizer, 64)[0]) == ["blue", "<|im_end|>"]
+    with pytest.raises(DataError, match=r"eval split 'validation' is not in .*saved; its splits: train, test"):
+        load_causal_lm_data(DataSpec(None, None, None, dataset=str(tmp_path / "saved"), eval_split="validation"))
+    (tmp_path / "folder").mkdir()
+    _jsonl(tmp_path / "folder" / "part.jsonl", [{"instruction": f"what color is the {t}", "output": c} for t, c in COLORS.items()])
+    train, evaluation = load_causal_lm_data(DataSpec(None, None, None, dataset=str(tmp_path / "folder"), eval_fraction=0.5))
+    assert train.column_names == ["prompt", "response"] and len(train) + len(evaluation) == len(COLORS)
+
+
+def test_a_hub_data_set_id_offline_and_not_cached_is_one_line_saying_how_to_fetch_it() -> None:
+    with pytest.raises(DataError) as error:
+        load_causal_lm_data(DataSpec(None, None, None, dataset="nobody/not-cached-anywhere"))
+    message = str(error.value)
+    assert "'nobody/not-cached-anywhere'" in message and "HF_HUB_OFFLINE=1" in message and "\n" not in message
+    assert "datasets.load_dataset('nobody/not-cached-anywhere')" in message
+
+
+def test_recipe_takes_exactly_one_data_source(tmp_path) -> None:
+    path = tmp_path / "recipe.json"
+    for data, key, message in [
+        ({"train_files": ["a.jsonl"], "dataset": "org/set"}, "data.dataset", "data.train_files and data.dataset are both set"),
+        ({"train_files": ["a.jsonl"], "eval_split": "test"}, "data.eval_split", "only used with data.dataset"),
+        ({"dataset": "org/set", "eval_files": ["b.jsonl"]}, "data.eval_files", "name its eval split in data.eval_split"),
+    ]:
+        path.write_text(json.dumps({"model": {"name_or_path": "x"}, "task": "causal-lm", "data": data}))
+        with pytest.raises(RecipeError, match=f"{key}.*{message}"):
+            load_recipe(str(path))

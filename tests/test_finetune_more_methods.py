@@ -122,3 +122,65 @@ def test_each_method_lowers_the_answer_loss_on_two_ranks(tmp_path, llama_dir, me
     summary = run_distributed(_finetune, 2, str(recipe), str(tmp_path / "run"), timeout=300)[0]
     assert summary["after"] < 0.6 * summary["before"], summary
     print(f"{method['type']} (ZeRO {stage}): answer loss {summary['before']:.3f} -> {summary['after']:.3f}")
+
+
+def test_best_model_and_early_stopping_keys_are_checked(tmp_path, llama_dir) -> None:
+    path = _recipe(tmp_path, llama_dir, {"type": "lora"}, 2)
+    recipe = json.loads(path.read_text())
+    recipe["train"].update(eval_every=0, load_best_model_at_end=True)
+    path.write_text(json.dumps(recipe))
+    with pytest.raises(RecipeError, match="train.eval_every.*train.load_best_model_at_end needs evaluations"):
+        load_recipe(str(path))
+    recipe["train"].update(eval_every=5, metric_for_best_model="accuracy")
+    path.write_text(json.dumps(recipe))
+    with pytest.raises(RecipeError, match="'accuracy' is not an eval metric of task 'causal-lm'; expected one of loss"):
+        load_recipe(str(path))
+
+
+def _policy_run(tmp_path: Path, llama: Path, **train: object) -> tuple[dict, list[dict]]:
+    path = _recipe(tmp_path, llama, {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0}, 2)
+    recipe = json.loads(path.read_text())
+    recipe["train"].update(eval_every=5, **train)
+    path.write_text(json.dumps(recipe))
+    summary = run_distributed(_finetune, 2, str(path), str(tmp_path / "run"), timeout=300)[0]
+    evals = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["split"] == "eval"]
+    return summary, evals
+
+
+def test_early_stopping_ends_the_run_after_patience_evaluations_without_improvement(tmp_path, llama_dir) -> None:
+    # An improvement must exceed 100 in loss: only the first evaluation counts as one.
+    summary, evals = _policy_run(tmp_path, llama_dir, early_stopping_patience=2, early_stopping_min_delta=100.0)
+    assert summary["steps"] == 15 and summary["stopped_early"] and summary["best_step"] == 5, summary
+    assert [e["step"] for e in evals] == [0, 5, 10, 15, 15]  # before, three during training, the final one
+
+
+def test_load_best_model_at_end_ends_with_the_best_evaluations_model(tmp_path, llama_dir) -> None:
+    # "Best" by the highest loss: the first evaluation (step 5), deterministically not the last model.
+    summary, evals = _policy_run(tmp_path, llama_dir, load_best_model_at_end=True, metric_for_best_model="loss",
+                                 greater_is_better=True)
+    at_step_5 = next(e for e in evals if e["step"] == 5)
+    assert summary["best_step"] == 5 and summary["result_is_best_model"] and summary["steps"] == 30, summary
+    assert summary["after"] == pytest.approx(at_step_5["loss"], rel=1e-5)
+    assert summary["after"] > evals[-1]["loss"]  # the last model was better by loss: the best one was kept
+    assert (tmp_path / "run" / "best" / "best").is_dir()
+
+
+def test_a_model_id_resolves_through_the_hub_cache_offline(tmp_path, llama_dir, monkeypatch) -> None:
+    """A cached hub snapshot is found offline (HF_HUB_OFFLINE=1 in tests); an uncached id says how to fetch it."""
+    import shutil
+
+    from huggingface_hub import constants
+
+    from zerotune.finetune.models import resolve_model_path
+
+    snapshot = tmp_path / "hub" / "models--tiny--llama" / "snapshots" / "0123abcd"
+    shutil.copytree(llama_dir, snapshot)
+    (tmp_path / "hub" / "models--tiny--llama" / "refs").mkdir()
+    (tmp_path / "hub" / "models--tiny--llama" / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    assert resolve_model_path("tiny/llama") == snapshot
+    assert load_model(resolve_model_path("tiny/llama"), "causal-lm").config.model_type == "llama"
+    with pytest.raises(ModelLoadError, match=r"'tiny/uncached' is not in the Hugging Face cache .* hub is offline "
+                                             r"\(HF_HUB_OFFLINE=1\); fetch it once where the hub is reachable: hf download"):
+        resolve_model_path("tiny/uncached")

@@ -27,6 +27,7 @@ from zerotune.finetune.formats import to_canonical
 from zerotune.finetune.data_files import (
     DataError,
     describe_files,
+    load_dataset_split,
     load_files,
     load_with_builder,
     one_line,
@@ -61,6 +62,11 @@ class DataSpec:
     seed: int = 0
     max_train_samples: int | None = None
     max_eval_samples: int | None = None
+    dataset: str | None = None
+    """A Hugging Face data set id or a local data set directory (instead of files or bundled)."""
+    dataset_config: str | None = None
+    train_split: str = "train"
+    eval_split: str | None = None
 
 
 # ----------------------------------------------------------------------------- public loaders
@@ -87,11 +93,14 @@ def load_classification_data(spec: DataSpec) -> tuple[datasets.Dataset, datasets
 def _load_local_classification(spec: DataSpec) -> tuple[datasets.Dataset, datasets.Dataset, list[str]]:
     columns = {"text": spec.text_column, "text_pair": spec.text_pair_column, "label": spec.label_column}
     columns = {canonical: given for canonical, given in columns.items() if given is not None}
-    train = _select_columns(load_files(spec.train_files, "train"), columns, spec.train_files)
-    evaluation = _select_columns(load_files(spec.eval_files, "eval"), columns, spec.eval_files) if spec.eval_files else None
-    for dataset, files in ((train, spec.train_files), (evaluation, spec.eval_files)):
-        if dataset is not None:
-            _check_no_missing(dataset, [c for c in columns if c != "label"], columns, files)
+    rows, sources = _rows(spec, "train")
+    train = _select_columns(rows, columns, sources)
+    _check_no_missing(train, [c for c in columns if c != "label"], columns, sources)
+    evaluation = None
+    if _has_eval(spec):
+        rows, sources = _rows(spec, "eval")
+        evaluation = _select_columns(rows, columns, sources)
+        _check_no_missing(evaluation, [c for c in columns if c != "label"], columns, sources)
     label_names, train, evaluation = _encode_labels(train, evaluation, spec)
     train, evaluation = _split(train, evaluation, spec)
     return train, evaluation, label_names
@@ -116,14 +125,15 @@ def load_causal_lm_data(
         full = datasets.Dataset.from_dict({"prompt": [q for q, _ in pairs], "response": [a for _, a in pairs]})
         train, evaluation = _split(full, None, spec)
     else:
-        def canonical(files: list[str], role: str) -> datasets.Dataset:
-            return to_canonical(load_files(files, role), data_format, files, text_column=spec.text_column,
+        def canonical(role: str) -> datasets.Dataset:
+            rows, sources = _rows(spec, role)
+            return to_canonical(rows, data_format, sources, text_column=spec.text_column,
                                 prompt_column=prompt_column, response_column=response_column)
 
-        train = canonical(spec.train_files, "train")
-        evaluation = canonical(spec.eval_files, "eval") if spec.eval_files else None
+        train = canonical("train")
+        evaluation = canonical("eval") if _has_eval(spec) else None
         if evaluation is not None and evaluation.column_names != train.column_names:
-            raise DataError(f"the eval data ({describe_files(spec.eval_files)}) is laid out as "
+            raise DataError(f"the eval data ({describe_files(_rows_sources(spec, 'eval'))}) is laid out as "
                             f"{', '.join(evaluation.column_names)} but the train data as {', '.join(train.column_names)}")
         train, evaluation = _split(train, evaluation, spec)
     return _truncate(train, spec.max_train_samples, spec.seed), _truncate(evaluation, spec.max_eval_samples, spec.seed)
@@ -170,11 +180,31 @@ def check_num_labels(label_names: Sequence[str], num_labels: int | None) -> None
 # ----------------------------------------------------------------------------- columns, labels, splits
 
 
+def _has_eval(spec: DataSpec) -> bool:
+    return bool(spec.eval_files) or bool(spec.dataset and spec.eval_split)
+
+
+def _rows_sources(spec: DataSpec, role: str) -> list[str]:
+    """What error messages name for ``role``'s rows: the files, or the data set and its split."""
+    if spec.dataset:
+        return [f"{spec.dataset} [{spec.train_split if role == 'train' else spec.eval_split}]"]
+    return list(spec.train_files if role == "train" else spec.eval_files)
+
+
+def _rows(spec: DataSpec, role: str) -> tuple[datasets.Dataset, list[str]]:
+    """``role``'s raw rows (from the files or the data set) and what messages call them."""
+    if spec.dataset:
+        split = spec.train_split if role == "train" else spec.eval_split
+        return load_dataset_split(spec.dataset, spec.dataset_config, split, role), _rows_sources(spec, role)
+    files = spec.train_files if role == "train" else spec.eval_files
+    return load_files(files, role), list(files)
+
+
 def _check_spec(spec: DataSpec, bundled_names: tuple[str, ...]) -> None:
-    if bool(spec.train_files) == bool(spec.bundled):
+    if sum(map(bool, (spec.train_files, spec.bundled, spec.dataset))) != 1:
         raise DataError(
-            f"give either data.train_files (local files) or data.bundled (one of: {', '.join(bundled_names)}), "
-            "not both or neither"
+            f"give one of data.train_files (local files), data.dataset (a Hugging Face data set id or directory) "
+            f"or data.bundled (one of: {', '.join(bundled_names)})"
         )
     if spec.bundled and spec.bundled not in bundled_names:
         close = difflib.get_close_matches(spec.bundled, bundled_names, n=1)
@@ -182,7 +212,9 @@ def _check_spec(spec: DataSpec, bundled_names: tuple[str, ...]) -> None:
         raise DataError(f"unknown bundled data set {spec.bundled!r} for this task; available: {', '.join(bundled_names)}{hint}")
     if spec.bundled and spec.eval_files:
         raise DataError("bundled data sets bring their own eval split (eval_fraction); drop data.eval_files")
-    if not spec.eval_files and not 0.0 < spec.eval_fraction < 1.0:
+    if spec.eval_files and spec.dataset:
+        raise DataError("data.eval_files with data.dataset: name the data set's eval split with data.eval_split")
+    if not _has_eval(spec) and not 0.0 < spec.eval_fraction < 1.0:
         raise DataError(f"eval_fraction must be between 0 and 1 (exclusive), got {spec.eval_fraction!r}")
     for name in ("max_train_samples", "max_eval_samples"):
         value = getattr(spec, name)

@@ -67,6 +67,36 @@ def load_files(files: Sequence[str] | None, role: str = "train") -> datasets.Dat
     return dataset
 
 
+def load_dataset_split(name: str, config: str | None, split: str, role: str = "train") -> datasets.Dataset:
+    """One split of a Hugging Face data set id (through the hub's cache: offline once cached) or of a local
+    data set directory (``save_to_disk``'s, or a folder of data files ``datasets.load_dataset`` reads)."""
+    path = pathlib.Path(name).expanduser()
+    try:
+        if path.is_dir() and ((path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file()):
+            loaded = datasets.load_from_disk(str(path))
+            if isinstance(loaded, datasets.DatasetDict):
+                if split not in loaded:
+                    raise DataError(f"{role} split {split!r} is not in {name}; its splits: {', '.join(loaded)}")
+                loaded = loaded[split]
+            elif split != "train":
+                raise DataError(f"{name} is a single data set (saved without splits); it has no {split!r} split")
+        else:
+            loaded = datasets.load_dataset(str(path) if path.is_dir() else name, config, split=split)
+    except DataError:
+        raise
+    except ValueError as error:  # an unknown split or config names the valid ones
+        raise DataError(f"data set {name!r} ({role} split {split!r}): {one_line(error)}") from None
+    except Exception as error:  # noqa: BLE001 - not cached offline, no such data set: one line
+        offline = datasets.config.HF_HUB_OFFLINE
+        how = (f"; it is not in the Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1): fetch it once where "
+               f"the hub is reachable: python -c \"import datasets; datasets.load_dataset({name!r})\"") if offline else ""
+        raise DataError(f"data set {name!r} ({role} split {split!r}) could not be loaded: {type(error).__name__}: "
+                        f"{one_line(error)[:200]}{how}") from None
+    if len(loaded) == 0:
+        raise DataError(f"{role} data ({name} [{split}]) has no rows")
+    return loaded
+
+
 def _builder_for(path: pathlib.Path) -> str:
     suffixes = [s.lower() for s in path.suffixes]
     if suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:

@@ -20,6 +20,8 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 from zerotune.distributed import comm
+from zerotune.finetune.best import BestTracker
+from zerotune.monitor.logging import log_rank0
 
 
 @dataclass
@@ -98,6 +100,10 @@ class LoopSettings:
     client_state: dict = field(default_factory=dict)
     exclude_frozen: bool = False
     """Save the trainable weights and a fingerprint of the frozen base, not the base (LoRA / prefix)."""
+    tracker: BestTracker | None = None
+    """The best evaluation so far and early stopping (``best.py``); its state rides in ``client_state``."""
+    best_dir: Path | None = None
+    """Where the best evaluation's checkpoint goes (tag ``best``), when the run keeps it."""
 
 
 def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], settings: LoopSettings,
@@ -139,16 +145,36 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
                                "samples_per_s": samples / elapsed, "time_s": elapsed})
                 window_loss, window_steps = 0.0, 0
             if settings.eval_every and step % settings.eval_every == 0 and step < settings.total_steps:
-                metrics.write({"split": "eval", "step": step, **evaluate_fn()})
+                result = evaluate_fn()
+                metrics.write({"split": "eval", "step": step, **result})
+                if settings.tracker is not None and _track(engine, settings, step, result):
+                    break
             if settings.save_every and step % settings.save_every == 0:
                 engine.save_checkpoint(str(settings.checkpoint_dir), client_state=settings.client_state,
                                        exclude_frozen_parameters=settings.exclude_frozen)
             if step >= settings.total_steps:
                 break
+        if settings.tracker is not None and settings.tracker.should_stop:
+            break
         skip = 0
         epoch += 1
     elapsed = time.perf_counter() - started
     return {"samples_per_s": samples / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed}
+
+
+def _track(engine: Any, settings: LoopSettings, step: int, result: dict) -> bool:
+    """Record an evaluation: the best one's checkpoint is kept; True when early stopping ends the run."""
+    tracker = settings.tracker
+    improved = tracker.update(step, result)
+    settings.client_state["best"] = tracker.state()
+    if improved and settings.best_dir is not None:
+        engine.save_checkpoint(str(settings.best_dir), tag="best", client_state=settings.client_state,
+                               exclude_frozen_parameters=settings.exclude_frozen)
+    if tracker.should_stop:
+        log_rank0("early stopping at step %d: %s has not improved by more than %g for %d evaluations (best %.4f at "
+                  "step %d)", step, tracker.metric, tracker.min_delta, tracker.patience, tracker.best,
+                  tracker.best_step, rank=engine.global_rank)
+    return tracker.should_stop
 
 
 def consumed_epochs(engine: Any, per_epoch: int) -> float:

@@ -2,7 +2,7 @@
 rsLoRA, QLoRA, prefix, freeze).
 
 Bundled model names resolve to offline assets (``finetune.assets``); anything else is a local
-Hugging Face directory. LoRA and prefix tuning go through peft: the base weights are frozen
+Hugging Face directory, or a model id fetched through the hub's own cache. LoRA and prefix tuning go through peft: the base weights are frozen
 (``requires_grad=False``), so the engine syncs and shards only the adapters' parameters.
 """
 
@@ -47,11 +47,33 @@ def resolve_model_path(name_or_path: str) -> Path:
         return asset_path(name_or_path)
     path = Path(name_or_path).expanduser()
     if not path.is_dir():
-        raise ModelLoadError(f"model.name_or_path: {name_or_path!r} is neither a bundled model "
-                             f"({', '.join(sorted(ASSETS))}) nor a local directory")
+        path = _from_hub(name_or_path, sorted(ASSETS))
     if not (path / "config.json").is_file():
         raise ModelLoadError(f"model.name_or_path: {path} has no config.json; point it at a Hugging Face model directory")
     return path
+
+
+def _from_hub(repo_id: str, bundled: list[str]) -> Path:
+    """A Hugging Face model id through the hub's own cache: downloaded when online, the cached snapshot when
+    ``HF_HUB_OFFLINE`` is set; offline and not cached is one line naming the id and how to fetch it."""
+    import huggingface_hub
+    from huggingface_hub import constants
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
+
+    offline = constants.HF_HUB_OFFLINE
+    try:
+        return Path(huggingface_hub.snapshot_download(repo_id, local_files_only=offline))
+    except HFValidationError:
+        raise ModelLoadError(f"model.name_or_path: {repo_id!r} is neither a bundled model ({', '.join(bundled)}), "
+                             "a local directory nor a Hugging Face model id") from None
+    except LocalEntryNotFoundError:
+        raise ModelLoadError(f"model.name_or_path: {repo_id!r} is not in the Hugging Face cache "
+                             f"({constants.HF_HUB_CACHE}) and the hub is "
+                             f"{'offline (HF_HUB_OFFLINE=1)' if offline else 'unreachable'}; fetch it once where the "
+                             f"hub is reachable: hf download {repo_id}") from None
+    except Exception as error:  # noqa: BLE001 - a missing repo, no network: one line with the hub's reason
+        raise ModelLoadError(f"model.name_or_path: {repo_id!r}: the Hugging Face hub could not provide it "
+                             f"({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})") from None
 
 
 def load_tokenizer(path: Path, trust_remote_code: bool = False) -> Any:

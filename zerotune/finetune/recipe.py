@@ -161,6 +161,9 @@ def _resolve_paths(raw: dict[str, Any], base_dir: Path) -> None:
                 data[key] = _absolute(value, base_dir)
             elif isinstance(value, list):
                 data[key] = [_absolute(item, base_dir) if isinstance(item, str) else item for item in value]
+    if isinstance(data, dict) and isinstance(data.get("dataset"), str):  # a directory here, else a hub id
+        if (base_dir / Path(data["dataset"]).expanduser()).is_dir():
+            data["dataset"] = _absolute(data["dataset"], base_dir)
     engine = raw.get("engine")
     if isinstance(engine, dict) and isinstance(engine.get("config_path"), str):
         engine["config_path"] = _absolute(engine["config_path"], base_dir)

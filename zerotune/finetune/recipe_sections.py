@@ -70,6 +70,14 @@ class DataSection(Section):
     """Files with the held-out examples; None splits eval_fraction off the training data."""
     bundled: Optional[Literal[BUNDLED_DATA]] = None  # type: ignore[valid-type]
     """A bundled data set fetched offline: rotten_tomatoes (sentiment) or chatterbot_corpus_english (question/answer pairs). Exactly one of train_files and bundled."""
+    dataset: Optional[Str] = None
+    """A Hugging Face data set id (through the hub's cache: offline once cached) or a local data set directory (save_to_disk's, or a folder of data files); instead of train_files and bundled."""
+    dataset_config: Optional[Str] = None
+    """The data set's configuration (subset) name, for ids that have several."""
+    train_split: Str = "train"
+    """The data set's split to train on."""
+    eval_split: Optional[Str] = None
+    """The data set's split to evaluate on; None splits eval_fraction off the training split."""
     text_column: Str = "text"
     """Column with the input text (sequence classification, or plain-text causal LM)."""
     text_pair_column: Optional[Str] = None
@@ -150,6 +158,16 @@ class TrainSection(Section):
     """Save a checkpoint every this many optimizer steps; 0 never checkpoints during training."""
     save_total_limit: Optional[PosInt] = None
     """Keep only the newest N checkpoints (HF Trainer's name; the engine's checkpoint.keep_last)."""
+    load_best_model_at_end: StrictBool = False
+    """Keep the checkpoint of the best evaluation (by metric_for_best_model, in OUTPUT/best) and end the run with that model: the final evaluation and the saved model are the best's. Needs eval_every."""
+    metric_for_best_model: Optional[Str] = None
+    """The eval metric that picks the best evaluation and drives early stopping: loss or perplexity (causal LM), accuracy, macro_f1 or loss (sequence classification); None: loss (causal LM), accuracy (classification)."""
+    greater_is_better: Optional[StrictBool] = None
+    """Whether a larger metric_for_best_model is better; None infers it (accuracy, macro_f1: yes; loss, perplexity: no)."""
+    early_stopping_patience: Optional[PosInt] = None
+    """Stop after this many evaluations in a row without an improvement larger than early_stopping_min_delta; None never stops early. Needs eval_every."""
+    early_stopping_min_delta: NonNegFloat = 0.0
+    """The smallest change of metric_for_best_model that counts as an improvement."""
     log_every: PosInt = 10
     """Log the training loss and lr every this many optimizer steps."""
     gradient_clipping: NonNegFloat = 1.0
@@ -255,6 +273,7 @@ class RecipeError(ConfigError):
 def check_recipe(recipe: Recipe) -> None:
     """Constraints spanning several keys, each raised at the key the user should change."""
     _check_train(recipe)
+    _check_best(recipe)
     _check_data(recipe)
     _check_method(recipe)
     _check_task(recipe)
@@ -271,13 +290,36 @@ def _check_train(recipe: Recipe) -> None:
         raise RecipeError("train.warmup_ratio", "train.warmup_steps and train.warmup_ratio are both set; set at most one")
 
 
+def _check_best(recipe: Recipe) -> None:
+    from zerotune.finetune.best import METRICS
+
+    train = recipe.train
+    wanted = [key for key in ("load_best_model_at_end", "early_stopping_patience") if key in train.model_fields_set
+              and getattr(train, key) not in (None, False)]
+    if wanted and not train.eval_every:
+        raise RecipeError("train.eval_every", f"train.{wanted[0]} needs evaluations during training: set "
+                                              "train.eval_every to a number of optimizer steps")
+    metric = train.metric_for_best_model
+    if metric is not None and metric not in METRICS[recipe.task]:
+        raise RecipeError("train.metric_for_best_model", f"{metric!r} is not an eval metric of task {recipe.task!r}; "
+                                                         f"expected one of {', '.join(METRICS[recipe.task])}")
+
+
 def _check_data(recipe: Recipe) -> None:
     data = recipe.data
-    if data.train_files is not None and data.bundled is not None:
-        raise RecipeError("data.bundled", "data.train_files and data.bundled are both set; set exactly one")
-    if data.train_files is None and data.bundled is None:
-        raise RecipeError("data", "no training data: set data.train_files (local files) or data.bundled "
-                                  "(rotten_tomatoes or chatterbot_corpus_english)")
+    sources = [key for key in ("train_files", "dataset", "bundled") if getattr(data, key) is not None]
+    if len(sources) > 1:
+        raise RecipeError(f"data.{sources[1]}", f"data.{sources[0]} and data.{sources[1]} are both set; set exactly one")
+    if not sources:
+        raise RecipeError("data", "no training data: set data.train_files (local files), data.dataset (a Hugging Face "
+                                  "data set id or directory) or data.bundled (rotten_tomatoes or chatterbot_corpus_english)")
+    for key in ("dataset_config", "train_split", "eval_split"):
+        if key in data.model_fields_set and data.dataset is None:
+            raise RecipeError(f"data.{key}", "only used with data.dataset; remove it or set data.dataset")
+    if data.eval_split is not None and "eval_fraction" in data.model_fields_set:
+        raise RecipeError("data.eval_fraction", "unused when data.eval_split is given; remove one of them")
+    if data.eval_files is not None and data.dataset is not None:
+        raise RecipeError("data.eval_files", "with data.dataset, name its eval split in data.eval_split")
     if data.eval_files is not None and data.bundled is not None:
         raise RecipeError("data.eval_files", "only with data.train_files; a bundled data set holds out data.eval_fraction")
     if (data.prompt_column is None) != (data.response_column is None):

@@ -21,6 +21,7 @@ import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
+from zerotune.finetune.best import BEST_DIR, BestTracker, tracker_for
 from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
 from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
 from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_trained_model,
@@ -36,7 +37,9 @@ def _data_spec(recipe) -> DataSpec:
     return DataSpec(train_files=data.train_files, eval_files=data.eval_files, bundled=data.bundled,
                     text_column=data.text_column, text_pair_column=data.text_pair_column,
                     label_column=data.label_column, eval_fraction=data.eval_fraction, seed=recipe.train.seed,
-                    max_train_samples=data.max_train_samples, max_eval_samples=data.max_eval_samples)
+                    max_train_samples=data.max_train_samples, max_eval_samples=data.max_eval_samples,
+                    dataset=data.dataset, dataset_config=data.dataset_config, train_split=data.train_split,
+                    eval_split=data.eval_split)
 
 
 def _total_steps(recipe, batches_per_epoch: int) -> int:
@@ -124,6 +127,7 @@ def run(args: argparse.Namespace) -> dict:
 
     metrics = loop.MetricsLog(output / "metrics.jsonl" if env.rank == 0 else None)
     checkpoint_dir = output / CHECKPOINTS
+    tracker = tracker_for(recipe.task, recipe.train)
     before = None
     if args.resume:
         path, client_state = engine.resume_newest_checkpoint(str(checkpoint_dir))
@@ -131,6 +135,8 @@ def run(args: argparse.Namespace) -> dict:
             log_rank0("--resume: no complete checkpoint in %s, starting from scratch", checkpoint_dir, rank=env.rank)
         else:
             before = client_state["before"]
+            if tracker is not None and client_state.get("best"):
+                tracker = BestTracker(**client_state["best"])
             log_rank0("resumed from %s at step %d", path, engine.global_steps, rank=env.rank)
     if before is None:
         before = evaluate()
@@ -144,12 +150,25 @@ def run(args: argparse.Namespace) -> dict:
                         file=sys.stderr, dynamic_ncols=True)
     settings = loop.LoopSettings(total_steps, recipe.train.log_every, recipe.train.eval_every, recipe.train.save_every,
                                  checkpoint_dir, client_state={"before": before},
-                                 exclude_frozen=any(not p.requires_grad for p in model.parameters()))
+                                 exclude_frozen=any(not p.requires_grad for p in model.parameters()), tracker=tracker,
+                                 best_dir=output / BEST_DIR if recipe.train.load_best_model_at_end else None)
     throughput = loop.train(engine, loader, evaluate, settings, metrics, progress)
     if progress is not None:
         progress.close()
     after = evaluate()
     metrics.write({"split": "eval", "step": engine.global_steps, **after})
+    policy = {}
+    if tracker is not None:
+        stopped_early = tracker.should_stop
+        last_is_best = tracker.update(engine.global_steps, after)
+        if recipe.train.load_best_model_at_end and not last_is_best:
+            engine.load_checkpoint(str(output / BEST_DIR), tag="best", load_optimizer_states=False,
+                                   load_lr_scheduler_states=False, load_module_only=True)
+            after = evaluate()
+            log_rank0("load_best_model_at_end: the model of step %d (%s %.4f) is the run's result", tracker.best_step,
+                      tracker.metric, tracker.best, rank=env.rank)
+        policy = {"best_step": tracker.best_step, "best_metric": {tracker.metric: tracker.best},
+                  "stopped_early": stopped_early, "result_is_best_model": recipe.train.load_best_model_at_end}
     peaks = comm.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, engine.mesh.group("dp"))
     metric = "eval_loss" if recipe.task == "causal-lm" else "accuracy"
     summary = {"metric": metric, "before": _headline(recipe.task, before), "after": _headline(recipe.task, after),
@@ -157,7 +176,7 @@ def run(args: argparse.Namespace) -> dict:
                "wall_seconds": time.perf_counter() - started, "samples_per_s": throughput["samples_per_s"],
                "peak_memory_mib_per_rank": peaks, "task": recipe.task, "method": recipe.method.type,
                "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage(),
-               "quantize_bits": bits}
+               "quantize_bits": bits, **policy}
     save_trained_model(engine, tokenizer, output, merge=args.merge)
     if env.rank == 0:
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
