@@ -313,6 +313,8 @@ class EngineCore(EngineQueries, torch.nn.Module):
         return gathered if self.global_rank == 0 else {}
 
     def destroy(self) -> None:
-        """Release hooks and writers (DeepSpeed's ``engine.destroy()``)."""
+        """Release hooks and writers (DeepSpeed's ``engine.destroy()``); the collective guard's last exchange
+        is checked here rather than left in flight at exit."""
+        comm.settle_guard()
         self.grad_sync.remove_hooks()
         self.monitor.close()

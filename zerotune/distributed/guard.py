@@ -26,8 +26,10 @@ watchdog ends that after ``comm_timeout_s``). Config key ``collective_guard`` (d
 
 from __future__ import annotations
 
+import atexit
 import sys
 import zlib
+from datetime import timedelta
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -86,6 +88,7 @@ class CollectiveGuard:
         self.pending: PendingExchange | None = None
         self._logs: dict[str, GroupLog] = {}
         self._names: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, log name)
+        self._release_registered = False
 
     @property
     def active(self) -> bool:
@@ -99,6 +102,9 @@ class CollectiveGuard:
             self.stop()
             return
         self.group = dist.new_group(backend="gloo")  # its own: a guard exchange never pairs with data
+        if not self._release_registered:
+            atexit.register(self.release_at_exit)
+            self._release_registered = True
         self._generation += 1  # every rank starts alike, so the generations agree
         self.store = None if store is None else dist.PrefixStore(f"zerotune/guard/{self._generation}", store)
         self.rank = rank
@@ -108,6 +114,18 @@ class CollectiveGuard:
         for group in [dist.group.WORLD, *groups]:
             if group is not None:
                 self._log(group, None)
+
+    def release_at_exit(self) -> None:
+        """At interpreter exit: let the last exchange (launched at the run's final guard point, with no later
+        collective to wait for it) finish on its own group before finalization tears the process group down
+        under a gloo thread still using it, then drop the group and store."""
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            try:
+                pending.work.wait(timedelta(seconds=5))
+            except Exception:  # noqa: BLE001 - a peer already gone is no reason to fail the exit
+                pass
+        self.stop()
 
     def stop(self) -> None:
         self.group = None
