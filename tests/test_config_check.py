@@ -80,3 +80,21 @@ def test_check_does_not_require_implemented_features(capsys):
     assert "auto (unresolved)" in out
     row = next(line for line in out.splitlines() if line.startswith("zero_optimization.offload_param.device"))
     assert row.split()[1:] == ['"cpu"', "file"]
+
+
+@pytest.mark.parametrize("section, expected", [
+    ({"scheduler": {"type": "WarmupDecayLR"}},
+     "scheduler.params.total_num_steps: required by WarmupDecayLR but missing"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_step": 3}}},
+     "scheduler.params.warmup_num_step: unknown parameter 'warmup_num_step'. Did you mean 'warmup_num_steps'?"),
+    ({"scheduler": {"type": "WarmupCosine", "params": {}}}, "scheduler.type: unknown scheduler 'WarmupCosine'"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decy": 0.1}}},
+     "optimizer.params.weight_decy: unknown parameter 'weight_decy'. Did you mean 'weight_decay'?"),
+])
+def test_optimizer_and_scheduler_arguments_are_checked_before_any_model_is_built(capsys, tmp_path, section, expected):
+    """What the builders would refuse when the engine is built (a minute into a fine-tuning run) is one line here."""
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"train_batch_size": 8, **section}))
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and err.count("\n") == 1

@@ -54,8 +54,15 @@ def _scheduler_range(key: str) -> tuple[float, float, bool]:
 
 
 def check_hyperparameters(cfg: Any) -> None:
-    """Raise ConfigError on the first non-finite or out-of-range optimizer / scheduler number."""
+    """Raise ConfigError on an unknown schedule, a missing or unknown schedule argument, or the first non-finite
+    or out-of-range optimizer / scheduler number."""
     if cfg.optimizer is not None:
+        from zerotune.optim.optimizers import check_optimizer_section
+
+        check_optimizer_section(cfg.optimizer.type, cfg.optimizer.params)
         _check(cfg.optimizer.params, "optimizer.params", lambda key: _OPTIMIZER_RANGES.get(key, (-math.inf, math.inf, False)))
     if cfg.scheduler is not None:
+        from zerotune.optim.schedulers import check_scheduler_section  # the builders' own rule; optim imports config
+
+        check_scheduler_section(cfg.scheduler.type, cfg.scheduler.params)
         _check(cfg.scheduler.params, "scheduler.params", _scheduler_range)

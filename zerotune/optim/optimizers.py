@@ -68,14 +68,8 @@ def build_optimizer(opt_type: str, params: Mapping[str, Any], param_groups: Iter
     and per-group hyperparameters, which win over ``params`` (torch's rule).
     Raises ``zerotune.config.ConfigError`` naming ``optimizer.type`` or ``optimizer.params.<key>``.
     """
-    canonical = canonical_optimizer_name(opt_type)
+    canonical = check_optimizer_section(opt_type, params)
     params = dict(params or {})
-    if "max_grad_norm" in params:
-        raise ConfigError(
-            "optimizer.params.max_grad_norm",
-            "not an optimizer parameter; set the top-level 'gradient_clipping' instead (as DeepSpeed requires)",
-        )
-    check_known_keys(params, valid_optimizer_keys(canonical), "optimizer.params")
     reject_auto_values(params, "optimizer.params")
     optimizer_class, kwargs = _translate(canonical, params)
     groups = [_translate_group(group) for group in param_groups]
@@ -90,6 +84,21 @@ def build_optimizer(opt_type: str, params: Mapping[str, Any], param_groups: Iter
         return optimizer_class(groups, **kwargs)
     except (ValueError, TypeError) as exc:
         raise ConfigError("optimizer.params", f"{optimizer_class.__name__} rejected the values: {exc}") from exc
+
+
+def check_optimizer_section(opt_type: Any, params: Mapping[str, Any] | None) -> str:
+    """The canonical name of ``opt_type`` once every key of ``params`` is one it takes; a ConfigError naming
+    ``optimizer.type`` or ``optimizer.params.<key>`` otherwise. Config validation calls this too, so a typo is
+    reported by ``zerotune check`` and ``initialize`` before any model is built."""
+    canonical = canonical_optimizer_name(opt_type)
+    params = dict(params or {})
+    if "max_grad_norm" in params:
+        raise ConfigError(
+            "optimizer.params.max_grad_norm",
+            "not an optimizer parameter; set the top-level 'gradient_clipping' instead (as DeepSpeed requires)",
+        )
+    check_known_keys(params, valid_optimizer_keys(canonical), "optimizer.params")
+    return canonical
 
 
 _FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)

@@ -362,6 +362,16 @@ def build_scheduler(sched_type: str, params: Mapping[str, Any], optimizer: Any) 
     The type name is case-insensitive. Raises ``ConfigError`` naming
     ``scheduler.type`` or ``scheduler.params.<key>`` for unknown, missing or bad values.
     """
+    schedule_class = check_scheduler_section(sched_type, params)
+    reject_auto_values(dict(params or {}), _PATH)
+    return schedule_class(optimizer, **dict(params or {}))
+
+
+def check_scheduler_section(sched_type: Any, params: Mapping[str, Any] | None) -> type:
+    """The schedule class ``sched_type`` names, once its ``params`` keys are known and none it requires is
+    missing; a ConfigError naming ``scheduler.type`` or ``scheduler.params.<key>`` otherwise. Config
+    validation calls this too, so ``zerotune check`` and ``initialize`` report it before any model is built
+    ("auto" values are left to be resolved)."""
     by_lower = {name.lower(): name for name in SCHEDULER_NAMES}
     if not isinstance(sched_type, str) or sched_type.lower() not in by_lower:
         hint = did_you_mean(sched_type, SCHEDULER_NAMES) if isinstance(sched_type, str) else ""
@@ -376,11 +386,10 @@ def build_scheduler(sched_type: str, params: Mapping[str, Any], optimizer: Any) 
         if name not in ("self", "optimizer")
     }
     check_known_keys(params, signature, _PATH)
-    reject_auto_values(params, _PATH)
     for name, parameter in signature.items():
         if parameter.default is inspect.Parameter.empty and name not in params:
             raise ConfigError(f"{_PATH}.{name}", f"required by {schedule_class.__name__} but missing")
-    return schedule_class(optimizer, **params)
+    return schedule_class
 
 
 def _torch_optimizer(optimizer: Any) -> Any:
