@@ -210,9 +210,11 @@ def test_cross_field_errors_name_the_key_to_change(raw, path, words):
     assert error.path == path and words in str(error), str(error)
 
 
-def test_switching_method_by_override_flags_the_other_methods_options():
-    error = error_of("smollm2-lora", ["method.type=full"])
-    assert error.path in {"method.r", "method.alpha", "method.dropout", "method.target_modules"}
+def test_switching_method_by_override_drops_the_recipes_options_of_the_old_method_but_flags_given_ones():
+    # issue 17: --set method.type=full on the LoRA recipe was refused for the recipe's own r / alpha / ...
+    assert load_recipe("smollm2-lora", ["method.type=full"]).method.model_fields_set == {"type"}
+    error = error_of("smollm2-lora", ["method.type=full", "method.alpha=8"])
+    assert error.path == "method.alpha"
 
 
 def test_unreadable_recipe_files_are_named(tmp_path):

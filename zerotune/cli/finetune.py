@@ -52,8 +52,9 @@ def run_finetune(args: argparse.Namespace) -> int:
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         _prefetch_assets(recipe)
-        from zerotune.finetune.worker import check_recipe_inputs
+        from zerotune.finetune.worker import check_merge, check_recipe_inputs
 
+        check_merge(recipe, args.merge)
         check_recipe_inputs(recipe)
         if "RANK" in os.environ or recipe.launch.nproc_per_node * recipe.launch.nnodes == 1:
             from zerotune.finetune.worker import run

@@ -52,16 +52,21 @@ def load_trained(run_dir: str | Path) -> tuple[Any, Any]:
 def reply(model: Any, tokenizer: Any, messages: list[dict[str, str]], *, max_new_tokens: int = 64,
           temperature: float = 0.0) -> str:
     """The model's answer to the conversation ``messages`` (greedy at temperature 0)."""
-    if getattr(tokenizer, "chat_template", None) is not None:
-        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                return_dict=True)
-    else:
-        encoded = tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt")
+    encoded = encode_prompt(tokenizer, messages)
     sampling = {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     with torch.no_grad():
         output = model.generate(**encoded, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                 **sampling)
     return tokenizer.decode(output[0, encoded["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+
+
+def encode_prompt(tokenizer: Any, messages: list[dict[str, str]]) -> dict[str, torch.Tensor]:
+    """``input_ids`` / ``attention_mask`` (batch of one) asking for the next assistant turn, rendered as the
+    training data was: through the chat template with its generation prompt, else the turns' raw text."""
+    if getattr(tokenizer, "chat_template", None) is not None:
+        return dict(tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True))
+    return dict(tokenizer("\n".join(m["content"] for m in messages), return_tensors="pt"))
 
 
 def _summary(run: Path) -> dict:

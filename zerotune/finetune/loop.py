@@ -11,9 +11,10 @@ from __future__ import annotations
 import json
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -26,14 +27,21 @@ from zerotune.monitor.logging import log_rank0
 
 @dataclass
 class MetricsLog:
-    """``metrics.jsonl``: one JSON line per train log or evaluation (rank 0 only)."""
+    """``metrics.jsonl``: one JSON line per train log or evaluation (rank 0 only); evaluations also go to the
+    engine's configured writers (TensorBoard, CSV, W&B) as ``Eval/<metric>``, beside the engine's own train
+    scalars."""
 
     path: Path | None
+    writers: Any = None
 
     def write(self, record: dict) -> None:
         if self.path is not None:
             with open(self.path, "a") as handle:
                 handle.write(json.dumps(record) + "\n")
+        if self.writers is not None and self.writers.enabled and record.get("split") == "eval":
+            self.writers.write(record["step"], {f"Eval/{name}": value for name, value in record.items()
+                                                if name not in ("split", "step") and isinstance(value, (int, float))})
+            self.writers.flush()
 
 
 def train_loader(dataset: Any, collate: Callable, micro_batch: int, seed: int, rank: int, world: int) -> DataLoader:
@@ -108,14 +116,19 @@ class LoopSettings:
 
 def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], settings: LoopSettings,
           metrics: MetricsLog, progress: Any = None) -> dict[str, float]:
-    """Run optimizer steps from ``engine.global_steps`` to ``settings.total_steps``; returns throughput figures."""
+    """Run optimizer steps from ``engine.global_steps`` to ``settings.total_steps``; returns throughput figures.
+
+    samples/s has one definition everywhere (the bar, ``metrics.jsonl``, ``summary.json``): training samples
+    per second of training since this run started or resumed, evaluations, generated samples and checkpoint
+    saves excluded."""
     gas = engine.gradient_accumulation_steps()
     per_epoch = len(loader)
     if per_epoch == 0:
         raise ValueError("the training set is smaller than one global micro-batch; lower train.micro_batch_size")
     consumed = engine.global_steps * gas  # micro-batches already trained on (after a resume)
     epoch, skip = divmod(consumed, per_epoch)
-    started, samples, window_loss, window_steps = time.perf_counter(), 0, 0.0, 0
+    clock = TrainingClock()
+    samples, window_loss, window_steps = 0, 0.0, 0
     engine.train()
     while engine.global_steps < settings.total_steps:
         loader.sampler.set_epoch(epoch)
@@ -134,32 +147,52 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
             samples += engine.train_batch_size()
             window_steps += 1
             step = engine.global_steps
-            elapsed = time.perf_counter() - started
+            throughput = samples / clock.training_seconds()
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{window_loss / window_steps:.4f}", lr=f"{applied_lr:.2e}",
-                                     samples_s=f"{samples / elapsed:.1f}")
+                                     samples_s=f"{throughput:.1f}")
             if step % settings.log_every == 0 or step == settings.total_steps:
                 metrics.write({"split": "train", "step": step, "epoch": consumed_epochs(engine, per_epoch),
                                "loss": window_loss / window_steps, "lr": applied_lr,
-                               "samples_per_s": samples / elapsed, "time_s": elapsed})
+                               "samples_per_s": throughput, "time_s": clock.training_seconds()})
                 window_loss, window_steps = 0.0, 0
-            if settings.eval_every and step % settings.eval_every == 0 and step < settings.total_steps:
-                result = evaluate_fn()
-                metrics.write({"split": "eval", "step": step, **result})
-                if settings.tracker is not None and _track(engine, settings, step, result):
-                    break
-            if settings.save_every and step % settings.save_every == 0:
-                engine.save_checkpoint(str(settings.checkpoint_dir), client_state=settings.client_state,
-                                       exclude_frozen_parameters=settings.exclude_frozen)
-            if step >= settings.total_steps:
+            with clock.paused():
+                stop = False
+                if settings.eval_every and step % settings.eval_every == 0 and step < settings.total_steps:
+                    result = evaluate_fn()
+                    metrics.write({"split": "eval", "step": step, **result})
+                    stop = settings.tracker is not None and _track(engine, settings, step, result)
+                if not stop and settings.save_every and step % settings.save_every == 0:
+                    engine.save_checkpoint(str(settings.checkpoint_dir), client_state=settings.client_state,
+                                           exclude_frozen_parameters=settings.exclude_frozen)
+            if stop or step >= settings.total_steps:
                 break
         if settings.tracker is not None and settings.tracker.should_stop:
             break
         skip = 0
         epoch += 1
-    elapsed = time.perf_counter() - started
-    return {"samples_per_s": samples / elapsed if elapsed > 0 else 0.0, "train_seconds": elapsed}
+    seconds = clock.training_seconds()
+    return {"samples_per_s": samples / seconds if samples else 0.0, "train_seconds": seconds}
+
+
+class TrainingClock:
+    """Seconds spent training: wall time since construction minus the ``paused()`` spans."""
+
+    def __init__(self) -> None:
+        self._started = time.perf_counter()
+        self._paused = 0.0
+
+    def training_seconds(self) -> float:
+        return max(time.perf_counter() - self._started - self._paused, 1e-9)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused += time.perf_counter() - began
 
 
 def _track(engine: Any, settings: LoopSettings, step: int, result: dict) -> bool:

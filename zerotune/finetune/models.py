@@ -226,8 +226,11 @@ def trainable_summary(model: torch.nn.Module) -> str:
     return f"{trainable / 1e6:.2f}M of {total / 1e6:.2f}M parameters trainable ({100 * trainable / max(total, 1):.1f}%)"
 
 
-def save_model(model: Any, tokenizer: Any, output_dir: Path, *, merge: bool) -> list[Path]:
-    """Write the model in Hugging Face format (safetensors); for adapters also the peft adapter.
+def save_model(model: Any, tokenizer: Any, output_dir: Path, *, merge: bool,
+               merged_dtype: torch.dtype | None = None) -> list[Path]:
+    """Write the model in Hugging Face format (safetensors); for adapters also the peft adapter, and with
+    ``merge`` the adapter merged into its base, its floating tensors in ``merged_dtype`` (the run's training
+    precision: a bf16 run's merged model is bf16, as its base was trained).
 
     Call on rank 0 with whole parameters (``save_trained_model`` gathers them at ZeRO stage 3).
     """
@@ -242,7 +245,11 @@ def save_model(model: Any, tokenizer: Any, output_dir: Path, *, merge: bool) -> 
     if not is_peft or merge:
         final = model.merge_and_unload() if is_peft else model
         model_dir = output_dir / ("merged" if is_peft else "model")
-        final.save_pretrained(model_dir, safe_serialization=True, state_dict=_detached_state_dict(final))
+        state = _detached_state_dict(final)
+        if is_peft and merged_dtype is not None:
+            state = {name: t.to(merged_dtype) if t.is_floating_point() else t for name, t in state.items()}
+            final.config.dtype = merged_dtype
+        final.save_pretrained(model_dir, safe_serialization=True, state_dict=state)
         tokenizer.save_pretrained(model_dir)
         written.append(model_dir)
     return written
@@ -257,8 +264,9 @@ def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: 
     """
     rank, model = engine.global_rank, engine.module
     units = engine.state.units  # stage 3's partitioned units (empty below)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
     if not units:
-        return save_model(model, tokenizer, output_dir, merge=merge) if rank == 0 else []
+        return save_model(model, tokenizer, output_dir, merge=merge, merged_dtype=dtype) if rank == 0 else []
     if not hasattr(model, "peft_config"):
         model_dir = output_dir / "model"
         save_consolidated(model, units, model_dir / "model.safetensors", rank=rank)
@@ -268,7 +276,7 @@ def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: 
         return [model_dir]
     needed = [p for p in model.parameters() if merge or p.requires_grad]
     with GatheredParameters(needed):
-        return save_model(model, tokenizer, output_dir, merge=merge) if rank == 0 else []
+        return save_model(model, tokenizer, output_dir, merge=merge, merged_dtype=dtype) if rank == 0 else []
 
 
 def _detached_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

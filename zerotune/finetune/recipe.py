@@ -47,6 +47,8 @@ from zerotune.finetune.recipe_engine import (
 from zerotune.finetune.recipe_sections import (
     BUNDLED_MODELS,
     ENGINE_SHORTCUTS,
+    METHOD_OPTIONS,
+    METHODS,
     EngineKeys,
     Recipe,
     RecipeError,
@@ -78,6 +80,7 @@ def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any] | Recipe | No
         _resolve_paths(raw, base_dir)
         for override in overrides:
             _apply_override(raw, override)
+        _switch_method(raw, overrides)
         _resolve_paths(raw, Path.cwd())
         recipe = _validate(raw)
         check_recipe(recipe)
@@ -194,6 +197,22 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         raise RecipeError(key, f"override value {text!r} is not valid YAML ({problem}); "
                                "quote it or fix the brackets") from None
     set_path(raw, key, value)
+
+
+def _switch_method(raw: dict[str, Any], overrides: Sequence[str]) -> None:
+    """``--set method.type=prefix`` on a LoRA recipe: the recipe's options of the method it leaves (r, alpha, ...)
+    go with it. Options the overrides themselves give are kept, so one that does not fit the new method is
+    still refused by name."""
+    method = raw.get("method")
+    overridden = {o.partition("=")[0].strip() for o in overrides if isinstance(o, str)}
+    if "method.type" not in overridden or not isinstance(method, dict) or not isinstance(method.get("type"), str):
+        return
+    if method["type"] not in METHODS:
+        return  # validation names it
+    valid = METHOD_OPTIONS.get(method["type"], ())
+    for option in [key for key in method if key != "type" and key not in valid]:
+        if f"method.{option}" not in overridden:
+            del method[option]
 
 
 # --- 3-4. keys and types ----------------------------------------------------------------------

@@ -23,6 +23,7 @@ from zerotune.config.pydantic_errors import show_value
 from zerotune.config.schema import ZeroTuneConfig
 from zerotune.config.types import AUTO
 from zerotune.finetune.recipe_sections import Recipe, RecipeError
+from zerotune.monitor.writers import check_writer_packages
 
 
 def recipe_engine_config(recipe: Recipe, total_steps: int | None = None,
@@ -177,7 +178,30 @@ def derive_engine_config(recipe: Recipe, *, total_steps: int | None, dp_world_si
     except ConfigError as error:
         raise RecipeError.of(error, "engine") from None
     _check_method_fits_engine(recipe, validated)
+    for block in ("tensorboard", "wandb"):
+        try:
+            check_writer_packages(**{block: getattr(validated, block)})
+        except ImportError as error:
+            raise RecipeError(f"engine.{block}.enabled", str(error)) from None
     return config
+
+
+WRITER_BLOCKS = ("tensorboard", "csv_monitor")
+ENGINE_LINE_OFF = 2**31 - 1  # steps_per_print that never comes
+
+
+def fit_engine_to_run(config: dict[str, Any], output_dir: str) -> None:
+    """Put the enabled TensorBoard / CSV writers' files in the run directory (``OUTPUT/tensorboard``,
+    ``OUTPUT/csv_monitor``) unless the engine section chose a path or job name, instead of DeepSpeed's
+    ``./runs/DeepSpeedJobName`` relative to wherever the job was started; and leave the console to the
+    job's progress bar: the engine's own step line only when the engine section sets ``steps_per_print``."""
+    config.setdefault("steps_per_print", ENGINE_LINE_OFF)
+    for name in WRITER_BLOCKS:
+        block = config.get(name)
+        if isinstance(block, dict) and block.get("enabled"):
+            if not block.get("output_path"):
+                block["output_path"] = output_dir
+                block.setdefault("job_name", name)
 
 
 def _check_method_fits_engine(recipe: Recipe, engine: Any) -> None:

@@ -170,6 +170,12 @@ class TrainSection(Section):
     """The smallest change of metric_for_best_model that counts as an improvement."""
     log_every: PosInt = 10
     """Log the training loss and lr every this many optimizer steps."""
+    eval_samples: NonNegInt = 2
+    """Causal LM: at each evaluation, answer this many prompts greedily (the first eval-set questions, or sample_prompts) and print them (also OUTPUT/samples.jsonl); 0 turns it off."""
+    sample_prompts: Optional[list[Str]] = None
+    """Causal LM: fixed prompts (user turns) to answer at each evaluation instead of eval-set questions."""
+    sample_max_new_tokens: PosInt = 32
+    """Causal LM: the longest generated answer at each evaluation, in tokens."""
     gradient_clipping: NonNegFloat = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping."""
 
@@ -299,6 +305,11 @@ def _check_best(recipe: Recipe) -> None:
     if wanted and not train.eval_every:
         raise RecipeError("train.eval_every", f"train.{wanted[0]} needs evaluations during training: set "
                                               "train.eval_every to a number of optimizer steps")
+    if recipe.task != "causal-lm":
+        for key in ("eval_samples", "sample_prompts", "sample_max_new_tokens"):
+            if key in train.model_fields_set:
+                raise RecipeError(f"train.{key}", f"generated samples are a causal-lm feature, and the task is "
+                                                  f"{recipe.task!r}; remove the key")
     metric = train.metric_for_best_model
     if metric is not None and metric not in METRICS[recipe.task]:
         raise RecipeError("train.metric_for_best_model", f"{metric!r} is not an eval metric of task {recipe.task!r}; "

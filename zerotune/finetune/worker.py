@@ -21,15 +21,19 @@ import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
+from zerotune.finetune.console import quiet_libraries
 from zerotune.finetune.best import BEST_DIR, BestTracker, tracker_for
 from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
 from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
 from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_trained_model,
                                       trainable_summary)
-from zerotune.finetune.recipe import load_recipe, recipe_engine_config
+from zerotune.finetune.recipe import RecipeError, load_recipe, recipe_engine_config
+from zerotune.finetune.recipe_engine import fit_engine_to_run
+from zerotune.finetune.samples import EvalSamples, sample_conversations
 from zerotune.monitor.logging import log_rank0
 
 CHECKPOINTS = "checkpoints"
+SAMPLES = "samples.jsonl"
 
 
 def _data_spec(recipe) -> DataSpec:
@@ -64,6 +68,20 @@ def check_recipe_inputs(recipe) -> list[str]:
     return label_names
 
 
+def check_merge(recipe, merge: bool) -> None:
+    """``--merge`` merges LoRA-family adapters into their base; prefix tuning has nothing to merge (its
+    virtual tokens are inputs, not weights) and full / freeze tuning already saves the whole model."""
+    if not merge:
+        return
+    if recipe.method.type == "prefix":
+        raise RecipeError("--merge", "prefix tuning learns virtual tokens that are fed as inputs, not weights that can be "
+                                     "merged into the base; drop --merge (the run saves OUTPUT/adapter, which "
+                                     "zerotune generate loads over its base)")
+    if recipe.method.type in ("full", "freeze"):
+        log_rank0("--merge has no effect on a %s run: it saves the whole model (OUTPUT/model)", recipe.method.type,
+                  rank=int(os.environ.get("RANK", "0") or 0))
+
+
 def _load_causal_lm(recipe):
     """Train/eval rows in one of ``formats.py``'s shapes: text, prompt/response, chat messages or token ids."""
     return load_causal_lm_data(_data_spec(recipe), prompt_column=recipe.data.prompt_column,
@@ -71,7 +89,8 @@ def _load_causal_lm(recipe):
 
 
 def load_task_data(recipe, tokenizer) -> tuple:
-    """(tokenized train set, tokenized eval set, label names) for the recipe's task.
+    """(tokenized train set, tokenized eval set, label names, eval rows before tokenization) for the recipe's
+    task.
 
     Causal LM renders question/answer rows with the chat template and trains on answer tokens
     only; its label names are empty.
@@ -79,10 +98,11 @@ def load_task_data(recipe, tokenizer) -> tuple:
     max_length = recipe.data.max_length
     if recipe.task == "causal-lm":
         train_set, eval_set = _load_causal_lm(recipe)
-        return tokenize_causal_lm(train_set, tokenizer, max_length), tokenize_causal_lm(eval_set, tokenizer, max_length), []
+        return (tokenize_causal_lm(train_set, tokenizer, max_length), tokenize_causal_lm(eval_set, tokenizer, max_length),
+                [], eval_set)
     train_set, eval_set, label_names = load_classification_data(_data_spec(recipe))
     return (tokenize_classification(train_set, tokenizer, max_length),
-            tokenize_classification(eval_set, tokenizer, max_length), label_names)
+            tokenize_classification(eval_set, tokenizer, max_length), label_names, eval_set)
 
 
 def _headline(task: str, result: dict) -> float:
@@ -94,19 +114,22 @@ def run(args: argparse.Namespace) -> dict:
     # a launcher restart after a rank died (zerotune run --max-restarts / the recipe's launch.max_restarts)
     # continues from the newest checkpoint, as --resume does
     args.resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
+    quiet_libraries(int(os.environ.get("RANK", "0") or 0))
     recipe = load_recipe(args.recipe, args.overrides)
+    check_merge(recipe, args.merge)
     check_recipe_inputs(recipe)
     env = zerotune.init_distributed()
     output = Path(args.output_dir)
     if env.rank == 0:
         output.mkdir(parents=True, exist_ok=True)
-        if not args.resume and (output / "metrics.jsonl").exists():
-            (output / "metrics.jsonl").unlink()
+        for name in ("metrics.jsonl", SAMPLES):
+            if not args.resume and (output / name).exists():
+                (output / name).unlink()
     comm.barrier()
     torch.manual_seed(recipe.train.seed)
     model_path = resolve_model_path(recipe.model.name_or_path)
     tokenizer = load_tokenizer(model_path, recipe.model.trust_remote_code)
-    train_set, eval_set, label_names = load_task_data(recipe, tokenizer)
+    train_set, eval_set, label_names, eval_rows = load_task_data(recipe, tokenizer)
     bits = recipe.method.bits if recipe.method.type == "qlora" else None
     model = apply_method(load_model(model_path, recipe.task, len(label_names), label_names, quantize_bits=bits,
                                     dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code),
@@ -118,14 +141,23 @@ def run(args: argparse.Namespace) -> dict:
     loader = loop.train_loader(train_set, collate, recipe.train.micro_batch_size, recipe.train.seed, env.rank, world)
     total_steps = _total_steps(recipe, len(loader))
     config = recipe_engine_config(recipe, total_steps=total_steps, dp_world_size=world)
+    fit_engine_to_run(config, str(output))
     engine, *_ = zerotune.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                      config=config)
     evaluation = loop.eval_loader(eval_set, collate, 2 * recipe.train.micro_batch_size, env.rank, world)
 
-    def evaluate() -> dict:
-        return loop.evaluate(engine, evaluation, recipe.task, len(label_names))
+    samples = None
+    if recipe.task == "causal-lm" and (recipe.train.eval_samples or recipe.train.sample_prompts):
+        samples = EvalSamples(sample_conversations(eval_rows, recipe.train.sample_prompts, recipe.train.eval_samples),
+                              tokenizer, recipe.train.sample_max_new_tokens, output / SAMPLES if env.rank == 0 else None)
 
-    metrics = loop.MetricsLog(output / "metrics.jsonl" if env.rank == 0 else None)
+    def evaluate() -> dict:
+        result = loop.evaluate(engine, evaluation, recipe.task, len(label_names))
+        if samples is not None:
+            samples(engine, engine.global_steps)
+        return result
+
+    metrics = loop.MetricsLog(output / "metrics.jsonl" if env.rank == 0 else None, engine.monitor)
     checkpoint_dir = output / CHECKPOINTS
     tracker = tracker_for(recipe.task, recipe.train)
     before = None

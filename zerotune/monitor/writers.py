@@ -131,6 +131,21 @@ class WandbSink:
         self._run.finish()
 
 
+def check_writer_packages(tensorboard: Any = None, wandb: Any = None) -> None:
+    """ImportError naming the block and the package when an enabled writer's package is missing: callers
+    check at start (``zerotune finetune`` before loading a model) rather than when the engine is built."""
+    if bool(_field(wandb, "enabled", False)):
+        _import_wandb()
+    if bool(_field(tensorboard, "enabled", False)):
+        try:
+            import torch.utils.tensorboard  # noqa: F401
+        except ImportError as error:
+            raise ImportError(
+                "tensorboard.enabled is true but the tensorboard package is not installed; "
+                "pip install tensorboard or disable it"
+            ) from error
+
+
 class ScalarWriters:
     """Fans scalars out to the configured sinks. Only rank 0 writes."""
 
@@ -144,15 +159,8 @@ class ScalarWriters:
         csv_on = bool(_field(csv_monitor, "enabled", False))
         wandb_on = bool(_field(wandb, "enabled", False))
         # Import checks run on every rank (see the module docstring).
+        check_writer_packages(tensorboard, wandb)
         wandb_module = _import_wandb() if wandb_on else None
-        if tensorboard_on:
-            try:
-                import torch.utils.tensorboard  # noqa: F401
-            except ImportError as error:
-                raise ImportError(
-                    "tensorboard.enabled is true but the tensorboard package is not installed; "
-                    "pip install tensorboard or disable it"
-                ) from error
         if rank != 0:
             return cls([])
         sinks: list[_Sink] = []
