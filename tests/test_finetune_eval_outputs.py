@@ -76,7 +76,7 @@ def test_sample_prompts_come_from_the_eval_questions_or_the_recipe() -> None:
 
 def test_sample_keys_on_a_classification_recipe_and_a_missing_writer_package_are_refused_at_load(monkeypatch) -> None:
     # the bundled default is a classification recipe
-    with pytest.raises(RecipeError, match="train.sample_prompts: generated samples are a causal-lm feature"):
+    with pytest.raises(RecipeError, match="train.sample_prompts: only used by task 'causal-lm'"):
         load_recipe(None, ["train.sample_prompts=[hi]"])
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if tensorboard were not installed
     with pytest.raises(RecipeError, match="engine.tensorboard.enabled: .*the tensorboard package is not installed"):

@@ -167,3 +167,34 @@ def test_module_entry_point_one_line_error_and_lazy_matplotlib(tmp_path: Path) -
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and "metrics.jsonl:2: not valid JSON" in done.stderr
     assert done.stdout.strip() == "False"  # `import zerotune` paths never pay for matplotlib
+
+
+def test_every_step_record_is_plotted_and_evaluations_are_points_as_measured(tmp_path: Path) -> None:
+    """Issue 17: lr from the first step (the warm-up was invisible with one point per 10-step window) and
+    two evaluations drawn as two points, not as a measured straight line."""
+    from zerotune.monitor import plots
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    lines = [{"split": "eval", "step": 0, "loss": 3.0}]
+    lines += [{"split": "step", "step": s, "loss": 3.0 - 0.1 * s, "lr": 1e-3 * min(1.0, s / 5)} for s in range(1, 21)]
+    lines += [{"split": "train", "step": s, "loss": 2.0, "lr": 1e-3, "samples_per_s": 9.0} for s in (10, 20)]
+    lines += [{"split": "eval", "step": 20, "loss": 1.0}]
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(line) for line in lines) + "\n")
+    metrics = plots.load_metrics(run_dir)
+    assert [r["step"] for r in metrics.per_step()] == list(range(1, 21))
+    drawn = {}
+
+    real = plots._finish
+
+    def capture(fig, axes, path):
+        drawn[path.name] = [(list(line.get_xdata()), line.get_linestyle()) for ax in axes for line in ax.get_lines()]
+        return real(fig, axes, path)
+
+    import unittest.mock
+
+    with unittest.mock.patch.object(plots, "_finish", capture):
+        plots.plot_run(run_dir)
+    assert drawn["lr.png"][0][0] == list(range(1, 21))
+    assert drawn["loss.png"][0][0] == list(range(1, 21))
+    assert drawn["loss.png"][-1] == ([0, 20], "None")  # eval: markers only

@@ -27,7 +27,8 @@ from zerotune.monitor.logging import log_rank0
 
 @dataclass
 class MetricsLog:
-    """``metrics.jsonl``: one JSON line per train log or evaluation (rank 0 only); evaluations also go to the
+    """``metrics.jsonl``: one JSON line per optimizer step (split "step": its loss and applied lr), per train
+    log window (split "train", with throughput) and per evaluation (rank 0 only); evaluations also go to the
     engine's configured writers (TensorBoard, CSV, W&B) as ``Eval/<metric>``, beside the engine's own train
     scalars."""
 
@@ -128,7 +129,7 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
     consumed = engine.global_steps * gas  # micro-batches already trained on (after a resume)
     epoch, skip = divmod(consumed, per_epoch)
     clock = TrainingClock()
-    samples, window_loss, window_steps = 0, 0.0, 0
+    samples, window_loss, window_steps, step_loss = 0, 0.0, 0, 0.0
     engine.train()
     while engine.global_steps < settings.total_steps:
         loader.sampler.set_epoch(epoch)
@@ -142,12 +143,15 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
             applied_lr = engine.get_lr()[0]  # what this step trains with (the scheduler moves on in step())
             engine.step()
             window_loss += loss.item() / gas
+            step_loss += loss.item() / gas
             if not boundary:
                 continue
             samples += engine.train_batch_size()
             window_steps += 1
             step = engine.global_steps
             throughput = samples / clock.training_seconds()
+            metrics.write({"split": "step", "step": step, "loss": step_loss, "lr": applied_lr})
+            step_loss = 0.0
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{window_loss / window_steps:.4f}", lr=f"{applied_lr:.2e}",

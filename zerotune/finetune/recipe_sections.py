@@ -98,6 +98,8 @@ class DataSection(Section):
     """Evaluate on at most this many held-out examples; None uses all."""
     max_length: PosInt = 128
     """Truncate tokenized examples to this many tokens."""
+    packing: StrictBool = False
+    """Causal LM: pack short training examples into rows of up to max_length tokens (position ids restart per example, so no example attends to another; micro_batch_size then counts packed rows). Models whose forward takes position_ids; not with prefix tuning. Evaluation stays per example."""
 
 
 class MethodSection(Section):
@@ -305,11 +307,6 @@ def _check_best(recipe: Recipe) -> None:
     if wanted and not train.eval_every:
         raise RecipeError("train.eval_every", f"train.{wanted[0]} needs evaluations during training: set "
                                               "train.eval_every to a number of optimizer steps")
-    if recipe.task != "causal-lm":
-        for key in ("eval_samples", "sample_prompts", "sample_max_new_tokens"):
-            if key in train.model_fields_set:
-                raise RecipeError(f"train.{key}", f"generated samples are a causal-lm feature, and the task is "
-                                                  f"{recipe.task!r}; remove the key")
     metric = train.metric_for_best_model
     if metric is not None and metric not in METRICS[recipe.task]:
         raise RecipeError("train.metric_for_best_model", f"{metric!r} is not an eval metric of task {recipe.task!r}; "
@@ -351,6 +348,10 @@ def _check_method(recipe: Recipe) -> None:
         if method.type not in owners:
             raise RecipeError(f"method.{option}", f"a {' / '.join(owners)} option, but method.type is {method.type!r}; "
                                                   f"remove it or set method.type={owners[0]}")
+    if method.type == "prefix" and recipe.data.packing:
+        raise RecipeError("data.packing", "not with method.type prefix: prefix tuning feeds its virtual tokens as an "
+                                          "attention cache, under which packed examples would attend to each other; "
+                                          "set data.packing: false or use lora")
     if method.type == "freeze" and method.trainable_layers is None and method.trainable_modules is None:
         raise RecipeError("method.trainable_layers", "freeze tuning trains nothing unless method.trainable_layers "
                                                      "(the last N blocks) or method.trainable_modules is set")
@@ -358,7 +359,8 @@ def _check_method(recipe: Recipe) -> None:
 
 _TASK_ONLY = {
     "sequence-classification": (("model", "num_labels"), ("data", "label_column"), ("data", "text_pair_column")),
-    "causal-lm": (("data", "prompt_column"), ("data", "response_column"), ("data", "format")),
+    "causal-lm": (("data", "prompt_column"), ("data", "response_column"), ("data", "format"), ("data", "packing"),
+                  ("train", "eval_samples"), ("train", "sample_prompts"), ("train", "sample_max_new_tokens")),
 }
 
 

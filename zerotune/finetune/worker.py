@@ -27,6 +27,8 @@ from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_da
 from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
 from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_trained_model,
                                       trainable_summary)
+from zerotune.finetune.packing import (causal_lm_class, check_packing_support, pack_examples, packed_collator,
+                                       prepare_for_packing)
 from zerotune.finetune.recipe import RecipeError, load_recipe, recipe_engine_config
 from zerotune.finetune.recipe_engine import fit_engine_to_run
 from zerotune.finetune.samples import EvalSamples, sample_conversations
@@ -59,9 +61,12 @@ def check_recipe_inputs(recipe) -> list[str]:
     Returns the label names (sequence classification) or an empty list (causal LM). For a bundled
     GGUF model this also dequantizes it into the cache once, before any rank starts.
     """
-    resolve_model_path(recipe.model.name_or_path)
+    model_path = resolve_model_path(recipe.model.name_or_path)
     if recipe.task == "causal-lm":
         _load_causal_lm(recipe)
+        model_class = causal_lm_class(model_path, recipe.model.trust_remote_code) if recipe.data.packing else None
+        if model_class is not None:
+            check_packing_support(model_class)
         return []
     _, _, label_names = load_classification_data(_data_spec(recipe))
     check_num_labels(label_names, recipe.model.num_labels)
@@ -131,14 +136,22 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(model_path, recipe.model.trust_remote_code)
     train_set, eval_set, label_names, eval_rows = load_task_data(recipe, tokenizer)
     bits = recipe.method.bits if recipe.method.type == "qlora" else None
-    model = apply_method(load_model(model_path, recipe.task, len(label_names), label_names, quantize_bits=bits,
-                                    dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code),
-                         recipe.task, recipe.method)
+    model = load_model(model_path, recipe.task, len(label_names), label_names, quantize_bits=bits,
+                       dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code)
+    if recipe.data.packing:
+        prepare_for_packing(model)
+        unpacked = len(train_set)
+        train_set = pack_examples(train_set, recipe.data.max_length)
+        log_rank0("data.packing: %d training examples in %d rows of up to %d tokens", unpacked, len(train_set),
+                  recipe.data.max_length, rank=env.rank)
+    model = apply_method(model, recipe.task, recipe.method)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
 
     collate = make_collator(tokenizer, recipe.task)
     world = env.world_size
-    loader = loop.train_loader(train_set, collate, recipe.train.micro_batch_size, recipe.train.seed, env.rank, world)
+    train_collate = packed_collator(tokenizer.pad_token_id) if recipe.data.packing else collate
+    loader = loop.train_loader(train_set, train_collate, recipe.train.micro_batch_size, recipe.train.seed, env.rank,
+                               world)
     total_steps = _total_steps(recipe, len(loader))
     config = recipe_engine_config(recipe, total_steps=total_steps, dp_world_size=world)
     fit_engine_to_run(config, str(output))

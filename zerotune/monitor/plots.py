@@ -35,10 +35,17 @@ class ReportError(ValueError):
 
 @dataclass
 class RunMetrics:
-    """The records of ``metrics.jsonl``, split by kind, one record per step, sorted by step."""
+    """The records of ``metrics.jsonl``, split by kind, one record per step, sorted by step: ``train`` (one per
+    ``log_every`` window, with throughput), ``eval``, and ``steps`` (every optimizer step's loss and applied
+    lr, so the warm-up and every step are plotted; runs logged before it existed have none)."""
 
     train: list[dict[str, Any]] = field(default_factory=list)
     eval: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[dict[str, Any]] = field(default_factory=list)
+
+    def per_step(self) -> list[dict[str, Any]]:
+        """Every step's record where the run logged them, else the window records."""
+        return self.steps or self.train
 
 
 # ---------------------------------------------------------------------------- reading
@@ -69,7 +76,7 @@ def load_metrics(run_dir: Path) -> RunMetrics:
 
     A resumed run re-logs the steps between its last checkpoint and the crash, so the
     same (split, step) can appear twice: the later line wins, as it comes from the run
-    whose weights were kept. Splits other than train/eval are accepted and ignored, so
+    whose weights were kept. Splits other than train/eval/step are accepted and ignored, so
     the loop can add new kinds of lines without breaking old reports.
     """
     path = Path(run_dir) / METRICS_FILE
@@ -79,7 +86,7 @@ def load_metrics(run_dir: Path) -> RunMetrics:
         raw_lines = path.read_bytes().splitlines()
     except OSError as exc:
         raise ReportError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    by_split: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}}
+    by_split: dict[str, dict[int, dict[str, Any]]] = {"train": {}, "eval": {}, "step": {}}
     seen_any = False
     for number, raw in enumerate(raw_lines, start=1):
         where = f"{path}:{number}"
@@ -102,6 +109,7 @@ def load_metrics(run_dir: Path) -> RunMetrics:
     return RunMetrics(
         train=[by_split["train"][step] for step in sorted(by_split["train"])],
         eval=[by_split["eval"][step] for step in sorted(by_split["eval"])],
+        steps=[by_split["step"][step] for step in sorted(by_split["step"])],
     )
 
 
@@ -173,7 +181,7 @@ def _finish(fig: Any, axes: list[Any], path: Path) -> Path:
 
 
 def _plot_loss(metrics: RunMetrics, summary: dict[str, Any], path: Path) -> Path | None:
-    train_steps, train_loss = _series(metrics.train, "loss")
+    train_steps, train_loss = _series(metrics.per_step(), "loss")
     eval_steps, eval_loss = _series(metrics.eval, "loss")
     if not train_steps and not eval_steps:
         return None
@@ -185,12 +193,20 @@ def _plot_loss(metrics: RunMetrics, summary: dict[str, Any], path: Path) -> Path
         if smooth:
             window = max(2, len(train_steps) // 20)
             ax.plot(train_steps, _moving_average(train_loss, window), color="tab:blue",
-                    label=f"train loss (mean of last {window} logs)")
+                    label=f"train loss (mean of last {window} points)")
     if eval_steps:
-        ax.plot(eval_steps, eval_loss, "o-", color="tab:orange", label="eval loss")
+        ax.plot(eval_steps, eval_loss, **_measured(eval_steps), color="tab:orange", label="eval loss")
     ax.set_ylabel("loss")
     ax.set_title(_title(summary, "Loss"))
     return _finish(fig, [ax], path)
+
+
+def _measured(steps: list[int]) -> dict[str, Any]:
+    """Evaluations are points as measured: markers, joined by a faint dotted guide only when there are enough
+    of them to show a trend (two points joined would read as a measured straight line)."""
+    if len(steps) < 3:
+        return {"marker": "o", "linestyle": "none"}
+    return {"marker": "o", "linestyle": ":", "linewidth": 1.0}
 
 
 def _plot_single(records: list[dict[str, Any]], key: str, label: str, title: str, summary: dict[str, Any],
@@ -221,13 +237,13 @@ def _plot_eval_metrics(metrics: RunMetrics, summary: dict[str, Any], path: Path)
     if scores:
         ax = fig.add_subplot(panels, 1, 1)
         for key, steps, values in scores:
-            ax.plot(steps, values, "o-", label={"accuracy": "accuracy", "macro_f1": "macro-F1"}[key])
+            ax.plot(steps, values, **_measured(steps), label={"accuracy": "accuracy", "macro_f1": "macro-F1"}[key])
         ax.set_ylabel("score")
         ax.set_title(_title(summary, "Evaluation"))
         axes.append(ax)
     if ppl_steps:
         ax = fig.add_subplot(panels, 1, panels)
-        ax.plot(ppl_steps, ppl, "o-", color="tab:red", label="perplexity")
+        ax.plot(ppl_steps, ppl, **_measured(ppl_steps), color="tab:red", label="perplexity")
         ax.set_ylabel("perplexity")
         if not scores:
             ax.set_title(_title(summary, "Evaluation"))
@@ -249,7 +265,7 @@ def plot_run(run_dir: Path, out_dir: Path | None = None) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     written = [
         _plot_loss(metrics, summary, out_dir / "loss.png"),
-        _plot_single(metrics.train, "lr", "learning rate", "Learning rate", summary, out_dir / "lr.png"),
+        _plot_single(metrics.per_step(), "lr", "learning rate", "Learning rate", summary, out_dir / "lr.png"),
         _plot_single(metrics.train, "samples_per_s", "samples / s", "Throughput", summary,
                      out_dir / "throughput.png"),
         _plot_eval_metrics(metrics, summary, out_dir / "eval_metrics.png"),
