@@ -1,5 +1,5 @@
 """The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model, ``report`` a run,
-``generate`` / ``chat`` with its result, ``export`` a checkpoint."""
+``generate`` / ``chat`` with its result, ``export`` a checkpoint, ``compare-methods`` of fine-tuning."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import sys
 
 from zerotune.cli.check import add_check_parser
+from zerotune.cli.compare import add_compare_parser
 from zerotune.cli.export import add_export_parser
 from zerotune.cli.finetune import add_finetune_parser
 from zerotune.cli.generate import add_generate_parsers
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_report_parser(subparsers)
     add_generate_parsers(subparsers)
     add_export_parser(subparsers)
+    add_compare_parser(subparsers)
     return parser
 
 

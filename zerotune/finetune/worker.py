@@ -146,6 +146,7 @@ def run(args: argparse.Namespace) -> dict:
                   recipe.data.max_length, rank=env.rank)
     model = apply_method(model, recipe.task, recipe.method)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
+    counts = (sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()))
 
     collate = make_collator(tokenizer, recipe.task)
     world = env.world_size
@@ -215,11 +216,14 @@ def run(args: argparse.Namespace) -> dict:
         policy = {"best_step": tracker.best_step, "best_metric": {tracker.metric: tracker.best},
                   "stopped_early": stopped_early, "result_is_best_model": recipe.train.load_best_model_at_end}
     peaks = comm.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, engine.mesh.group("dp"))
+    model_state = comm.all_gather_object(sum(engine.memory_breakdown().values()) / 2**20, engine.mesh.group("dp"))
     metric = "eval_loss" if recipe.task == "causal-lm" else "accuracy"
     summary = {"metric": metric, "before": _headline(recipe.task, before), "after": _headline(recipe.task, after),
                "before_eval": before, "after_eval": after, "steps": engine.global_steps,
                "wall_seconds": time.perf_counter() - started, "samples_per_s": throughput["samples_per_s"],
-               "peak_memory_mib_per_rank": peaks, "task": recipe.task, "method": recipe.method.type,
+               "peak_memory_mib_per_rank": peaks, "model_state_mib_per_rank": model_state,
+               "trainable_parameters": counts[0], "total_parameters": counts[1],
+               "train_seconds": throughput["train_seconds"], "task": recipe.task, "method": recipe.method.type,
                "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage(),
                "quantize_bits": bits, **policy}
     save_trained_model(engine, tokenizer, output, merge=args.merge)
