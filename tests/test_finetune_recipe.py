@@ -444,3 +444,12 @@ def test_save_total_limit_becomes_the_engines_keep_last():
     assert recipe_engine_config(r)["checkpoint"] == {"keep_last": 2}
     error = error_of(recipe(train={"save_total_limit": 2}, engine={"checkpoint": {"keep_last": 3}}))
     assert error.path == "train.save_total_limit" and "engine.checkpoint.keep_last" in str(error)
+
+
+def test_an_override_naming_a_data_source_replaces_the_recipes_own(tmp_path):
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n')
+    recipe = load_recipe("smollm2-lora", [f"data.train_files=[{chat}]"])
+    assert recipe.data.train_files == [str(chat)] and recipe.data.bundled is None
+    error = error_of("smollm2-lora", [f"data.train_files=[{chat}]", "data.dataset=some/id"])
+    assert error.path == "data.dataset" and "both set" in str(error)

@@ -81,6 +81,7 @@ def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any] | Recipe | No
         for override in overrides:
             _apply_override(raw, override)
         _switch_method(raw, overrides)
+        _switch_data_source(raw, overrides)
         _resolve_paths(raw, Path.cwd())
         recipe = _validate(raw)
         check_recipe(recipe)
@@ -213,6 +214,22 @@ def _switch_method(raw: dict[str, Any], overrides: Sequence[str]) -> None:
     for option in [key for key in method if key != "type" and key not in valid]:
         if f"method.{option}" not in overridden:
             del method[option]
+
+
+DATA_SOURCES = ("train_files", "dataset", "bundled")
+
+
+def _switch_data_source(raw: dict[str, Any], overrides: Sequence[str]) -> None:
+    """``--set data.train_files=[chat.jsonl]`` on a recipe with bundled data: the recipe's own source gives way
+    to the one the overrides name (two sources both given by overrides are still refused)."""
+    data = raw.get("data")
+    overridden = {o.partition("=")[0].strip() for o in overrides if isinstance(o, str)}
+    chosen = [key for key in DATA_SOURCES if f"data.{key}" in overridden]
+    if not chosen or not isinstance(data, dict):
+        return
+    for key in DATA_SOURCES:
+        if key not in chosen:
+            data.pop(key, None)
 
 
 # --- 3-4. keys and types ----------------------------------------------------------------------
