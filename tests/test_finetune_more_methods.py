@@ -184,3 +184,50 @@ def test_a_model_id_resolves_through_the_hub_cache_offline(tmp_path, llama_dir, 
     with pytest.raises(ModelLoadError, match=r"'tiny/uncached' is not in the Hugging Face cache .* hub is offline "
                                              r"\(HF_HUB_OFFLINE=1\); fetch it once where the hub is reachable: hf download"):
         resolve_model_path("tiny/uncached")
+
+
+MATRIX = [  # every method at every ZeRO stage it allows (qlora: not 3, refused at load above)
+    *[({"type": "qlora", "bits": 4, "r": 4, "alpha": 8, "dropout": 0.0}, stage) for stage in (0, 1, 2)],
+    *[({"type": "lora", "dora": True, "r": 4, "alpha": 8, "dropout": 0.0}, stage) for stage in (0, 1, 2, 3)],
+    *[({"type": "lora", "rslora": True, "r": 4, "alpha": 8, "dropout": 0.0}, stage) for stage in (0, 1, 2, 3)],
+    *[({"type": "freeze", "trainable_layers": 1}, stage) for stage in (0, 1, 2, 3)],
+    *[({"type": "prefix", "num_virtual_tokens": 4}, stage) for stage in (0, 1, 2, 3)],
+]
+
+
+def _train_each_combination(llama: str) -> list[tuple[str, int, list[float]]]:
+    """Six steps on one fixed batch per (method, stage), each a fresh engine: (method, stage, losses)."""
+    import zerotune
+
+    results = []
+    ids = torch.tensor([[2, 8, 9, 10, 11, 12, 13, 14]] * 2)
+    for options, stage in MATRIX:
+        torch.manual_seed(0)
+        method = MethodSection(**options)
+        bits = method.bits if method.type == "qlora" else None
+        model = apply_method(load_model(Path(llama), "causal-lm", quantize_bits=bits), "causal-lm", method)
+        engine, *_ = zerotune.initialize(
+            model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+            config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+                    "optimizer": {"type": "AdamW", "params": {"lr": 2e-2}}, "steps_per_print": 1000})
+        losses = []
+        for _ in range(6):
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        engine.destroy()
+        name = method.type + ("+dora" if method.dora else "+rslora" if method.rslora else "")
+        results.append((name, stage, losses))
+    return results
+
+
+@pytest.mark.slow
+def test_every_method_trains_at_every_zero_stage_it_allows(llama_dir) -> None:
+    pytest.importorskip("bitsandbytes")
+    results = run_distributed(_train_each_combination, 2, str(llama_dir), timeout=600)[0]
+    assert len(results) == len(MATRIX)
+    at_stage_0 = {name: losses for name, stage, losses in results if stage == 0}
+    for name, stage, losses in results:
+        assert losses[-1] < 0.9 * losses[0], (name, stage, losses)
+        assert losses == pytest.approx(at_stage_0[name], rel=1e-4), (name, stage)  # ZeRO changes no result
