@@ -32,9 +32,11 @@ def add_generate_parsers(subparsers: Any) -> None:
 
 
 def _load(args: argparse.Namespace, command: str) -> tuple[Any, Any] | None:
+    from zerotune.finetune.console import quiet_libraries
     from zerotune.finetune.generation import GenerationError, load_trained
     from zerotune.finetune.models import ModelLoadError
 
+    quiet_libraries(rank=0)
     if args.max_new_tokens < 1 or args.temperature < 0:
         print(f"zerotune {command}: --max-new-tokens must be >= 1 and --temperature >= 0", file=sys.stderr)
         return None

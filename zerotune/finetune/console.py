@@ -3,8 +3,8 @@
 Every rank imports the same libraries, so each of their warnings would appear once per rank: on ranks
 other than 0, transformers, datasets and Python warnings are silenced (errors still show). Two messages are
 silenced everywhere because nobody can act on them: bitsandbytes' advice to install ``kernels`` (a package
-that downloads code from the hub at run time) and the colour codes transformers puts in its load report
-even when the output is not a terminal.
+that downloads code from the hub at run time), peft's calls of names transformers deprecated, and the
+colour codes transformers puts in its load report even when the output is not a terminal.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import sys
 import warnings
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-9;]*m")
+LIBRARY_DEPRECATIONS = ("`is_gradient_checkpointing` is deprecated",  # peft -> transformers 5
+                        "`past_key_values` is deprecated")  # peft's prefix tuning -> transformers 5
 
 
 class _StripColour(logging.Filter):
@@ -27,6 +29,8 @@ class _StripColour(logging.Filter):
 def quiet_libraries(rank: int) -> None:
     """Call once per process before the model and data are loaded."""
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
+    for deprecated in LIBRARY_DEPRECATIONS:  # one library calling another's deprecated name: not the user's to fix
+        warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
     if not sys.stderr.isatty():
         logging.getLogger("transformers.utils.loading_report").addFilter(_StripColour())
     if rank == 0:
