@@ -1,5 +1,5 @@
 """The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model, ``report`` a run,
-``generate`` / ``chat`` with its result, ``export`` a checkpoint, ``compare-methods`` of fine-tuning."""
+``generate`` / ``chat`` with its result, ``export`` a checkpoint, ``compare-methods`` of fine-tuning, ``plan`` a layout's memory."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from zerotune.cli.compare import add_compare_parser
 from zerotune.cli.export import add_export_parser
 from zerotune.cli.finetune import add_finetune_parser
 from zerotune.cli.generate import add_generate_parsers
+from zerotune.cli.plan import add_plan_parser
 from zerotune.cli.report import add_report_parser
 from zerotune.cli.run import add_run_parser
 
@@ -25,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_parsers(subparsers)
     add_export_parser(subparsers)
     add_compare_parser(subparsers)
+    add_plan_parser(subparsers)
     return parser
 
 

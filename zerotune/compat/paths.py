@@ -97,8 +97,13 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.ops.lamb": Mapped("zerotune.compat.ops", ("FusedLamb",)),
     # the seed guide's spelling of the ZeRO optimizer wrapper (DeepSpeed's own lives in runtime.zero)
     "deepspeed.pt": Mapped("zerotune.compat.pt", ("DeepSpeedZeROOptimizer",)),
-    "deepspeed.runtime.zero.stage_1_and_2": Mapped("zerotune.compat.pt", ("DeepSpeedZeroOptimizer",)),
-    "deepspeed.runtime.zero.stage3": Mapped("zerotune.compat.pt", ("DeepSpeedZeroOptimizer_Stage3",)),
+    "deepspeed.runtime.zero.stage_1_and_2": Mapped("zerotune.compat.stage_1_and_2", (
+        "DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_live",
+        "estimate_zero2_model_states_mem_needs_all_cold", "model_to_params")),
+    "deepspeed.runtime.zero.stage3": Mapped("zerotune.compat.stage3", (
+        "DeepSpeedZeroOptimizer_Stage3", "estimate_zero3_model_states_mem_needs",
+        "estimate_zero3_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",
+        "model_to_params")),
 }
 
 REFUSED_MODULES: dict[str, str] = {

@@ -244,7 +244,7 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
     """
     _refuse_hf_checkpointing(model)
     remove_activation_checkpointing(model)
-    chosen = _evenly_spaced(_block_names(model, modules), (policy or configured_policy()).number_checkpoints)
+    chosen = _evenly_spaced(checkpoint_block_names(model, modules), (policy or configured_policy()).number_checkpoints)
     for name in chosen:
         module = model.get_submodule(name)
         layer_idx = next((m.layer_idx for m in module.modules() if type(getattr(m, "layer_idx", None)) is int), None)
@@ -336,7 +336,7 @@ def _refuse_hf_checkpointing(model: torch.nn.Module) -> None:
                              "recomputes every block twice")
 
 
-def _block_names(model: torch.nn.Module, modules: Iterable[type | str] | None) -> list[str]:
+def checkpoint_block_names(model: torch.nn.Module, modules: Iterable[type | str] | None) -> list[str]:
     named = list(model.named_modules())
     if modules is None:
         classes = sorted({c for _, m in named for c in (getattr(m, "_no_split_modules", None) or [])})

@@ -1,0 +1,153 @@
+"""Preflight planning (issue 18): the ZeRO paper's table, DeepSpeed's estimators under their DeepSpeed names,
+zerotune's model-state accounting against the engine's, and ``zerotune plan`` on a 70B config in seconds
+without allocating weights."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.harness import run_distributed
+from tests.memory_probe import PeakTensorBytes
+from zerotune.compat import install_deepspeed_alias
+from zerotune.compat.alias import uninstall_deepspeed_alias
+from zerotune.plan import estimators
+from zerotune.plan.states import zero_paper_model_states, zerotune_model_states
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "plan"
+FIXTURE = json.loads((Path(__file__).parent / "data" / "deepspeed_estimates" / "estimates.json").read_text())
+
+
+def test_the_zero_papers_table_for_7_5b_parameters_on_64_devices() -> None:
+    """Rajbhandari et al. 2020, Figure 1: Psi = 7.5B, N = 64, mixed-precision Adam (K = 12), in GB."""
+    per_stage = [round(zero_paper_model_states(7.5e9, 64, stage, k=12) / 1e9, 1) for stage in range(4)]
+    assert per_stage == [120.0, 31.4, 16.6, 1.9]
+
+
+def _figures(text: str) -> list[str]:
+    return re.findall(r"[0-9]+\.[0-9]+GB", text)
+
+
+def _printed(function, *args) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        function(*args)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("case", FIXTURE["cases"], ids=lambda case: f"{case['total']:.3g}")
+def test_deepspeed_estimators_give_deepspeeds_figures(case) -> None:
+    """Against tests/data/deepspeed_estimates/estimates.json, written by DeepSpeed 0.19.8 itself."""
+    total, largest, gpus, nodes, factor = (case[k] for k in ("total", "largest", "gpus_per_node", "nodes", "factor"))
+    for offload, expected in case["zero2"].items():
+        assert list(estimators.estimate_zero2_model_states_mem_needs(
+            total, gpus, nodes, cpu_offload=offload == "True", additional_buffer_factor=factor)) == expected
+    for offload, offload_params, zero_init, *expected in case["zero3"]:
+        assert list(estimators.estimate_zero3_model_states_mem_needs(
+            total, largest, gpus, nodes, offload, offload_params, zero_init, factor)) == expected
+    zero2 = _printed(estimators.estimate_zero2_model_states_mem_needs_all_cold, total, gpus, nodes, factor)
+    zero3 = _printed(estimators.estimate_zero3_model_states_mem_needs_all_cold, total, largest, gpus, nodes, factor)
+    assert _figures(zero2) == _figures(case["zero2_printed"]) and len(_figures(zero2)) == 4
+    assert _figures(zero3) == _figures(case["zero3_printed"]) and len(_figures(zero3)) == 12
+    assert zero2.splitlines()[:3] == case["zero2_printed"].splitlines()[:3]
+
+
+def test_the_estimators_answer_under_their_deepspeed_paths_for_a_live_model() -> None:
+    install_deepspeed_alias()
+    try:
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs_all_live, model_to_params
+        from deepspeed.runtime.zero.stage_1_and_2 import (
+            estimate_zero2_model_states_mem_needs_all_live,
+        )
+        from deepspeed.runtime.zero.stage_1_and_2 import model_to_params as zero2_params
+    finally:
+        uninstall_deepspeed_alias()
+    tied = torch.nn.Sequential(torch.nn.Embedding(1000, 64), torch.nn.Linear(64, 256), torch.nn.Linear(256, 64),
+                               torch.nn.Linear(64, 1000, bias=False))
+    tied[3].weight = tied[0].weight
+    live = FIXTURE["tied_model"]
+    assert zero2_params(tied) == live["zero2_params"] and list(model_to_params(tied)) == live["zero3_params"]
+    assert _figures(_printed(estimate_zero2_model_states_mem_needs_all_live, tied, 4, 2)) == _figures(live["zero2_printed"])
+    assert _figures(_printed(estimate_zero3_model_states_mem_needs_all_live, tied, 4, 2)) == _figures(live["zero3_printed"])
+
+
+def _engine_breakdown(stage: int, precision: str, offload: str) -> dict:
+    import zerotune
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Tanh(), torch.nn.Linear(512, 256))
+    model[0].weight.requires_grad_(False)  # a frozen piece, as with adapters
+    config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload}},
+              "bf16": {"enabled": precision == "bf16"}}
+    engine, *_ = zerotune.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                     config=config)
+    loss = engine(torch.randn(2, 256)).float().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    breakdown = engine.memory_breakdown()
+    engine.destroy()
+    return breakdown
+
+
+@pytest.mark.parametrize("stage, precision, offload", [(0, "fp32", "none"), (1, "bf16", "none"), (2, "bf16", "none"),
+                                                        (3, "bf16", "none"), (2, "fp32", "none"), (2, "bf16", "cpu")])
+def test_the_plans_model_state_is_what_the_engine_holds(stage, precision, offload) -> None:
+    breakdown = run_distributed(_engine_breakdown, 2, stage, precision, offload, timeout=120)[0]
+    trainable, frozen = 512 + 512 * 256 + 256, 256 * 512
+    planned = zerotune_model_states(trainable, frozen, stage=stage, dp=2, precision=precision, offload_optimizer=offload)
+    assert breakdown["params"] == pytest.approx(planned.params, rel=0.01), breakdown
+    assert breakdown["grads"] == pytest.approx(planned.grads, rel=0.01), breakdown
+    if offload == "none":
+        assert breakdown["master_weights"] == pytest.approx(planned.master_weights, rel=0.01), breakdown
+        assert breakdown["optimizer_state"] == pytest.approx(planned.optimizer_state, rel=0.01), breakdown
+
+
+def test_plan_of_a_70b_llama_takes_seconds_and_allocates_no_weights(capsys) -> None:
+    from zerotune.cli.main import main
+
+    path = Path(__file__).parent / "data" / "plan_zero3_bf16.json"
+    started = time.perf_counter()
+    with PeakTensorBytes() as probe:
+        status = main(["plan", str(path), "--model", str(EXAMPLES / "llama-3-70b"), "--world-size", "64",
+                       "--nodes", "8", "--seq-len", "4096", "--device-memory", "80GiB"])
+    seconds = time.perf_counter() - started
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "70,553,706,496 parameters" in out and "device total with activation checkpointing" in out
+    assert seconds < 30, seconds
+    assert probe.peak < 64 * 2**20, probe.summary()  # 70B bf16 weights alone would be 131 GiB
+    print(out)
+
+
+def test_plan_rows_follow_the_layout(capsys) -> None:
+    from zerotune.cli.main import main
+
+    path = Path(__file__).parent / "data" / "plan_zero3_bf16.json"
+    assert main(["plan", str(path), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+                 "--seq-len", "1024", "--device-memory", "10GiB"]) == 1  # does not fit without checkpointing
+    out = capsys.readouterr().out
+    rows = {line[:48].strip(): line for line in out.splitlines()[1:]}
+    assert "6,738,415,616 x 2 B / 8" in rows["parameters"]
+    assert float(rows["parameters"].split()[1]) == pytest.approx(6_738_415_616 * 2 / 8 / 2**30, abs=0.01)
+    assert float(rows["optimizer state"].split()[2]) == pytest.approx(6_738_415_616 * 8 / 8 / 2**30, abs=0.01)
+    assert "does NOT fit" in out
+
+
+def test_plan_input_errors_are_one_line(capsys, tmp_path) -> None:
+    from zerotune.cli.main import main
+
+    path = Path(__file__).parent / "data" / "plan_zero3_bf16.json"
+    assert main(["plan", str(path), "--model", str(tmp_path), "--world-size", "8"]) == 2
+    assert "no model config found there" in capsys.readouterr().err
+    assert main(["plan", str(path), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+                 "--device-memory", "80 apples"]) == 2
+    assert "--device-memory: '80 apples' is not a size" in capsys.readouterr().err

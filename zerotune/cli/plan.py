@@ -1,0 +1,91 @@
+"""``zerotune plan CONFIG --model HF_ID_OR_DIR|module:factory --world-size N [--nodes K] [--device-memory 80GiB]
+[--host-memory 512GiB] [--seq-len L]``: what each rank will hold, before anything is launched.
+
+The model is built on the meta device (no weights are read or allocated, so a 70B config plans in seconds);
+activations come from a meta trace of one micro-batch forward. Prints one table per rank (every rank of a
+data-parallel layout holds the same) and whether it fits the device; exit status 0 when it fits, 1 when
+it does not, 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+from zerotune.config.errors import ConfigError
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(text: str, option: str) -> int:
+    """``80GiB``, ``512GB``, ``1.5TiB`` or a byte count."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*", text.lower())
+    unit = (match.group(2) or "") if match else None
+    if unit is not None and unit and not unit.endswith("b"):
+        unit += "b"
+    if match is None or unit not in UNITS:
+        raise ConfigError(option, f"{text!r} is not a size; write e.g. 80GiB, 512GB or 1.5TiB")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def add_plan_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("plan", help="per-rank memory of a config and model, before launch",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("config", help="DeepSpeed-style JSON/YAML config")
+    parser.add_argument("--model", required=True, help="Hugging Face id (cached), directory or config.json, or "
+                                                       "module:factory")
+    parser.add_argument("--world-size", type=int, required=True, help="ranks in all (data parallel)")
+    parser.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over (host memory is per node)")
+    parser.add_argument("--device-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
+    parser.add_argument("--host-memory", default=None, help="host memory of one node, for offload")
+    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per example (default 2048)")
+    parser.add_argument("--task", choices=("causal-lm", "sequence-classification"), default="causal-lm")
+    parser.set_defaults(func=run_plan)
+
+
+def _gib(value: int) -> str:
+    return f"{value / 2**30:,.2f} GiB"
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    from zerotune.plan.memory import layout_from_config, plan_rank
+    from zerotune.plan.meta_model import PlanModelError, meta_model
+
+    try:
+        if args.world_size < 1 or args.nodes < 1 or args.world_size % args.nodes:
+            raise ConfigError("--world-size", f"{args.world_size} ranks cannot be spread evenly over {args.nodes} nodes")
+        if args.seq_len < 1:
+            raise ConfigError("--seq-len", f"must be >= 1, got {args.seq_len}")
+        device = parse_size(args.device_memory, "--device-memory")
+        host = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
+        layout = layout_from_config(args.config, args.world_size)
+        model = meta_model(args.model, task=args.task)
+    except (ConfigError, PlanModelError) as error:
+        print(f"zerotune plan: {error}", file=sys.stderr)
+        return 2
+    plan = plan_rank(model, layout, args.seq_len, args.task)
+    print(f"{type(model).__name__}: {plan.trainable + plan.frozen:,} parameters ({plan.trainable:,} trainable); "
+          f"ZeRO {layout.stage}, {layout.precision}, {args.world_size} ranks, micro-batch {layout.micro_batch} x "
+          f"{args.seq_len} tokens; offload_optimizer {layout.offload_optimizer}, offload_param {layout.offload_param}")
+    width = max(len(row.name) for row in plan.rows)
+    for row in plan.rows:
+        print(f"  {row.name:<{width}}  {_gib(row.bytes):>14}  {row.where:<6}  {row.note}")
+    fits = True
+    for checkpointing in (False, True):
+        total = plan.total("device", checkpointing)
+        verdict = "fits" if total <= device else "does NOT fit"
+        fits_here = total <= device
+        label = "with activation checkpointing" if checkpointing else "without activation checkpointing"
+        print(f"  device total {label}: {_gib(total)} of {_gib(device)}: {verdict}")
+        fits = fits_here if checkpointing else fits
+    if host is not None:
+        per_node = plan.total("host") * (args.world_size // args.nodes)
+        print(f"  host memory per node for offload: {_gib(per_node)} of {_gib(host)}: "
+              f"{'fits' if per_node <= host else 'does NOT fit'}")
+        fits = fits and per_node <= host
+    if plan.total("nvme"):
+        print(f"  NVMe space per node: {_gib(plan.total('nvme') * (args.world_size // args.nodes))}")
+    return 0 if fits else 1

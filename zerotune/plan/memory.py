@@ -1,0 +1,133 @@
+"""One rank's memory for a config and a model, before launch: model state, buckets, activations, peaks.
+
+Model state follows zerotune's own allocation (``states.py``); activations come from a meta-device trace of
+one micro-batch forward (``activations.py``); the largest stage-3 unit and the bucket sizes come from the
+model's structure and the config. The result is a list of rows, each with where it lives (device, host,
+NVMe), so ``zerotune plan`` can print it and the auto layout can compare totals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerotune.config import load_config, resolve_config
+from zerotune.config.errors import ConfigError
+from zerotune.plan.activations import ActivationProfile, trace_activations
+from zerotune.plan.meta_model import parameter_counts
+from zerotune.plan.states import zerotune_model_states
+
+IN_FLIGHT_BUCKETS = 3  # stage 2: one bucket filling and up to two in flight (stage2_sync.py)
+
+
+@dataclass(frozen=True)
+class Layout:
+    stage: int
+    dp: int
+    precision: str
+    micro_batch: int
+    optimizer: str = "adamw"
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    reduce_bucket: int = int(5e8)
+    allgather_bucket: int = int(5e8)
+    prefetch_bucket: int = int(5e7)
+
+
+def layout_from_config(source: Any, world_size: int) -> Layout:
+    """The layout a DeepSpeed-style config describes on ``world_size`` ranks (data parallel only)."""
+    config = load_config(source)
+    for key, size in (("tensor_parallel.autotp_size", config.tensor_parallel.autotp_size),
+                      ("pipeline.stages", config.pipeline.stages),
+                      ("sequence_parallel_size", config.sequence_parallel_size)):
+        if isinstance(size, int) and size > 1:
+            raise ConfigError(key, f"{size}: zerotune plan models data-parallel layouts (ZeRO 0-3, offload) so far; "
+                                   "tensor, pipeline and sequence parallel layouts are not planned yet")
+    config = resolve_config(config, dp_world_size=world_size, strict=False)
+    zero = config.zero_optimization
+
+    def number(value: Any, default: int) -> int:
+        return default if isinstance(value, str) else int(value)
+
+    micro = config.train_micro_batch_size_per_gpu
+    precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
+    return Layout(stage=zero.stage, dp=world_size, precision=precision, micro_batch=number(micro, 1),
+                  optimizer=(config.optimizer.type if config.optimizer is not None else "adamw"),
+                  offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
+                  reduce_bucket=number(zero.reduce_bucket_size, int(5e8)),
+                  allgather_bucket=number(zero.allgather_bucket_size, int(5e8)),
+                  prefetch_bucket=number(zero.stage3_prefetch_bucket_size, int(5e7)))
+
+
+@dataclass
+class Row:
+    name: str
+    bytes: int
+    where: str = "device"  # device | host | nvme
+    note: str = ""
+
+
+@dataclass
+class RankPlan:
+    rows: list[Row] = field(default_factory=list)
+    activations: ActivationProfile | None = None
+    trainable: int = 0
+    frozen: int = 0
+
+    def total(self, where: str = "device", checkpointing: bool = False) -> int:
+        skip = "activations (no checkpointing)" if checkpointing else "activations (checkpointing every block)"
+        return sum(r.bytes for r in self.rows if r.where == where and r.name != skip)
+
+
+def largest_unit_params(model: torch.nn.Module) -> int:
+    """Parameters of the largest stage-3 unit (gathered whole for its forward and backward)."""
+    from zerotune.zero.stage3.wrap import assign_params, unit_module_names
+
+    units = assign_params(model, unit_module_names(model))
+    return max((sum(p.numel() for p in params) for params in units.values()), default=0)
+
+
+def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = "causal-lm") -> RankPlan:
+    """Per-rank memory of training ``model`` (on the meta device; consumed by the activation trace) with
+    ``layout`` at ``seq_len`` tokens."""
+    trainable, frozen = parameter_counts(model)
+    states = zerotune_model_states(trainable, frozen, stage=layout.stage, dp=layout.dp, precision=layout.precision,
+                                   optimizer=layout.optimizer, offload_optimizer=layout.offload_optimizer,
+                                   offload_param=layout.offload_param)
+    width = 2 if layout.precision in ("bf16", "fp16") else 4
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.precision, torch.float32)
+    plan = RankPlan(trainable=trainable, frozen=frozen)
+    rows = plan.rows
+    rows.append(Row("parameters", states.params, note=f"{trainable + frozen:,} x {width} B"
+                    + (f" / {layout.dp}" if layout.stage == 3 else "")))
+    rows.append(Row("gradients", states.grads, note="fp32 all-reduce buckets" if layout.stage == 0 else ""))
+    rows.append(Row("fp32 master weights", states.master_weights))
+    rows.append(Row("optimizer state", states.optimizer_state, note=layout.optimizer))
+    rows.append(Row("communication buckets", _bucket_bytes(layout, trainable + frozen, trainable, width)))
+    largest_unit = largest_unit_params(model) if layout.stage == 3 else 0
+    activations = trace_activations(model, layout.micro_batch, seq_len, dtype=dtype, task=task)
+    plan.activations = activations
+    rows.append(Row("activations (no checkpointing)", activations.saved_bytes,
+                    note=f"micro-batch {layout.micro_batch} x {seq_len} tokens"))
+    rows.append(Row("activations (checkpointing every block)", activations.checkpointed_bytes,
+                    note=f"{len(activations.block_saved)} blocks"))
+    if layout.stage == 3:
+        rows.append(Row("largest unit gathered", width * largest_unit, note="stage 3 all-gather"))
+    if activations.logits_bytes:
+        tokens_x_vocab = activations.logits_bytes // width
+        rows.append(Row("loss logits peak", tokens_x_vocab * (4 + width), note="fp32 logits + their gradient"))
+    if states.host:
+        rows.append(Row("offloaded state (host)", states.host, where="host"))
+    if states.nvme:
+        rows.append(Row("offloaded state (NVMe)", states.nvme, where="nvme"))
+    return plan
+
+
+def _bucket_bytes(layout: Layout, params: int, trainable: int, width: int) -> int:
+    if layout.stage == 2:
+        return IN_FLIGHT_BUCKETS * width * min(layout.reduce_bucket, trainable)
+    if layout.stage == 3:
+        return width * (min(layout.prefetch_bucket, params) + min(layout.reduce_bucket, trainable))
+    return 0
