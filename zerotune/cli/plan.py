@@ -3,13 +3,15 @@
 
 The model is built on the meta device (no weights are read or allocated, so a 70B config plans in seconds);
 activations come from a meta trace of one micro-batch forward. Prints one table per rank (every rank of a
-data-parallel layout holds the same) and whether it fits the device; exit status 0 when it fits, 1 when
-it does not, 2 on bad input.
+data-parallel layout holds the same) and whether it fits the device with and without activation
+checkpointing; exit status 0 when it fits at least with checkpointing (and the host memory, when given,
+holds the offloaded state), 1 when it does not, 2 on bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
 from typing import Any
@@ -43,6 +45,8 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--host-memory", default=None, help="host memory of one node, for offload")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per example (default 2048)")
     parser.add_argument("--task", choices=("causal-lm", "sequence-classification"), default="causal-lm")
+    parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
+                        help="plan this ZeRO stage instead of the config's zero_optimization.stage")
     parser.set_defaults(func=run_plan)
 
 
@@ -62,6 +66,8 @@ def run_plan(args: argparse.Namespace) -> int:
         device = parse_size(args.device_memory, "--device-memory")
         host = parse_size(args.host_memory, "--host-memory") if args.host_memory else None
         layout = layout_from_config(args.config, args.world_size)
+        if args.zero_stage is not None:
+            layout = dataclasses.replace(layout, stage=args.zero_stage)
         model = meta_model(args.model, task=args.task)
     except (ConfigError, PlanModelError) as error:
         print(f"zerotune plan: {error}", file=sys.stderr)
