@@ -19,7 +19,7 @@ from zerotune.plan.activations import ActivationProfile, trace_activations
 from zerotune.plan.meta_model import parameter_counts
 from zerotune.plan.states import zerotune_model_states
 
-IN_FLIGHT_BUCKETS = 3  # stage 2: one bucket filling and up to two in flight (stage2_sync.py)
+IN_FLIGHT_BUCKETS = 3  # stage 2: one bucket filling and up to two in flight (stage2_sync.py's max_in_flight)
 
 
 @dataclass(frozen=True)
@@ -126,8 +126,11 @@ def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = 
 
 
 def _bucket_bytes(layout: Layout, params: int, trainable: int, width: int) -> int:
-    if layout.stage == 2:
-        return IN_FLIGHT_BUCKETS * width * min(layout.reduce_bucket, trainable)
+    if layout.stage == 2:  # buckets are cut at every owner's slice boundary: none spans two ranks' slices
+        per_owner = -(-trainable // layout.dp)
+        bucket = min(layout.reduce_bucket, per_owner)
+        count = layout.dp * -(-per_owner // bucket)
+        return min(IN_FLIGHT_BUCKETS, count) * width * bucket
     if layout.stage == 3:
         return width * (min(layout.prefetch_bucket, params) + min(layout.reduce_bucket, trainable))
     return 0
