@@ -115,9 +115,9 @@ def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = 
                     note=f"{len(activations.block_saved)} blocks"))
     if layout.stage == 3:
         rows.append(Row("largest unit gathered", width * largest_unit, note="stage 3 all-gather"))
-    if activations.logits_bytes:
+    if activations.logits_bytes:  # the loss runs in fp32 whatever the precision: two fp32 gradient buffers at once
         tokens_x_vocab = activations.logits_bytes // width
-        rows.append(Row("loss logits peak", tokens_x_vocab * (4 + width), note="fp32 logits + their gradient"))
+        rows.append(Row("loss logits peak", tokens_x_vocab * 8, note="fp32 gradients of log-softmax and logits"))
     if states.host:
         rows.append(Row("offloaded state (host)", states.host, where="host"))
     if states.nvme:
