@@ -55,6 +55,7 @@ class Case:
     offload: str = "none"
     micro: int = 4
     seq: int = 128
+    bucket: int | None = None  # reduce / all-gather / prefetch bucket elements; None: the config defaults
 
     def model(self) -> torch.nn.Module:
         return (llama if self.family == "llama" else gpt2)(self.hidden, self.layers)
@@ -62,7 +63,9 @@ class Case:
     def config(self) -> dict:
         return {"train_micro_batch_size_per_gpu": self.micro, "steps_per_print": 1000,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": self.precision == "bf16"},
-                "zero_optimization": {"stage": self.stage, "offload_optimizer": {"device": self.offload}}}
+                "zero_optimization": {"stage": self.stage, "offload_optimizer": {"device": self.offload},
+                                      **({"reduce_bucket_size": self.bucket, "allgather_bucket_size": self.bucket,
+                                          "stage3_prefetch_bucket_size": self.bucket} if self.bucket else {})}}
 
 
 CASES = [

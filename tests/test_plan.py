@@ -151,3 +151,90 @@ def test_plan_input_errors_are_one_line(capsys, tmp_path) -> None:
     assert main(["plan", str(path), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
                  "--device-memory", "80 apples"]) == 2
     assert "--device-memory: '80 apples' is not a size" in capsys.readouterr().err
+
+
+def _tiny_llama_profile(seq: int = 128, precision: str = "fp32"):
+    from benchmarks.bench_plan_accuracy import llama
+    from zerotune.plan.memory import profile_model
+
+    with torch.device("meta"):
+        model = llama(256, 4)
+    return profile_model(model, seq, precision)
+
+
+def test_a_larger_budget_never_picks_a_layout_with_more_communication() -> None:
+    from zerotune.plan.auto import Hardware, NoLayoutFits, choose
+    from zerotune.plan.memory import Layout
+
+    profile = _tiny_llama_profile()
+    base = Layout(stage=0, dp=4, precision="fp32", micro_batch=4, gas=2, reduce_bucket=2**18, allgather_bucket=2**18,
+                  prefetch_bucket=2**18)
+    previous = None
+    chosen = []
+    for mib in range(150, 2000, 25):
+        try:
+            choice = choose(profile, base, 8, Hardware(device_memory=mib * 2**20, bandwidth=5e9, flops=50e9))
+        except NoLayoutFits:
+            continue
+        assert choice.best.device_bytes <= 0.9 * mib * 2**20
+        if previous is not None:
+            assert choice.best.comm_bytes <= previous.comm_bytes + 1, (mib, choice.explain(), previous.describe())
+        previous = choice.best
+        chosen.append(choice.best.layout.stage)
+    assert chosen[0] == 3 and chosen[-1] in (1, 2) and len(set(chosen)) >= 2, chosen  # the budget matters
+
+
+def _train_chosen(stage: int, offload: str, micro: int, checkpointing: bool) -> int:
+    from benchmarks.bench_plan_accuracy import Case, measure
+
+    return measure(Case("chosen", "llama", 256, 4, stage, "fp32", checkpointing=checkpointing, offload=offload,
+                        micro=micro, bucket=2**18))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget_mib", [290, 330, 460, 700])
+def test_the_auto_layout_fits_its_budget_when_it_runs(budget_mib) -> None:
+    """Two ranks, the tiny Llama at 128 tokens, 8 examples per rank: the chosen layout's measured peak is
+    within the budget (the plan keeps 10% headroom). The run uses the buckets the plan assumed."""
+    from zerotune.plan.auto import Hardware, choose
+    from zerotune.plan.memory import Layout
+
+    profile = _tiny_llama_profile()
+    choice = choose(profile, Layout(stage=0, dp=2, precision="fp32", micro_batch=8, reduce_bucket=2**18,
+                                    allgather_bucket=2**18, prefetch_bucket=2**18), 8,
+                    Hardware(device_memory=budget_mib * 2**20, bandwidth=5e9, flops=50e9),
+                    vary_offload=False)  # on CPU the host is the device: offload saves nothing here
+    best = choice.best
+    measured = run_distributed(_train_chosen, 2, best.layout.stage, best.layout.offload_optimizer,
+                               best.layout.micro_batch, best.checkpointing, timeout=300)[0]
+    print(f"{budget_mib} MiB: {choice.explain()}\n  measured peak {measured / 2**20:.1f} MiB")
+    assert measured <= budget_mib * 2**20, (measured / 2**20, choice.explain())
+
+
+def _auto_engine() -> tuple[int, float]:
+    import zerotune
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
+    engine, *_ = zerotune.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "zero_optimization": {"stage": "auto"},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})
+    loss = engine(torch.randn(2, 64)).pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    stage = engine.zero_optimization_stage()
+    engine.destroy()
+    return stage, loss.item()
+
+
+def test_initialize_with_stage_auto_takes_the_plans_choice(caplog) -> None:
+    from zerotune.plan.auto import Hardware, choose
+    from zerotune.plan.activations import ActivationProfile
+    from zerotune.plan.memory import Layout, ModelProfile
+
+    stage, loss = run_distributed(_auto_engine, 2, timeout=120)[0]
+    # plenty of memory for a tiny model: the least communication per step is ZeRO 1 (stage 0 all-reduces fp32)
+    profile = ModelProfile(64 * 64 + 64 + 64 + 1, 0, 64 * 64 + 64, ActivationProfile(0), 1, 4)
+    expected = choose(profile, Layout(stage=0, dp=2, precision="fp32", micro_batch=2), 2,
+                      Hardware(device_memory=2**34), micro_batches=[2], checkpointing=(False,), vary_offload=False)
+    assert stage == expected.best.layout.stage and stage in (1, 2) and loss == loss

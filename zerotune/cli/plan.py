@@ -47,7 +47,25 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--task", choices=("causal-lm", "sequence-classification"), default="causal-lm")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="plan this ZeRO stage instead of the config's zero_optimization.stage")
+    parser.add_argument("--auto", action="store_true",
+                        help="choose the stage, offload, activation checkpointing and micro-batch (also when the "
+                             "config says \"stage\": \"auto\"): the fastest layout that fits, by the cost model")
+    parser.add_argument("--flops", default="400e12", help="dense 16-bit flop/s of one device, for --auto (default 400e12)")
+    parser.add_argument("--bandwidth", default="50GB", help="collective bandwidth per rank per second, for --auto "
+                                                           "(default 50GB)")
+    parser.add_argument("--host-bandwidth", default="25GB", help="device <-> host bytes per second, for --auto "
+                                                                 "(default 25GB)")
     parser.set_defaults(func=run_plan)
+
+
+def _number(text: str, option: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(option, f"{text!r} is not a number") from None
+    if not value > 0:
+        raise ConfigError(option, f"must be > 0, got {text}")
+    return value
 
 
 def _gib(value: int) -> str:
@@ -55,7 +73,8 @@ def _gib(value: int) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from zerotune.plan.memory import layout_from_config, plan_rank
+    from zerotune.plan.auto import Hardware, NoLayoutFits, choose
+    from zerotune.plan.memory import asks_for_auto_stage, layout_from_config, plan_from_profile, profile_model
     from zerotune.plan.meta_model import PlanModelError, meta_model
 
     try:
@@ -68,25 +87,37 @@ def run_plan(args: argparse.Namespace) -> int:
         layout = layout_from_config(args.config, args.world_size)
         if args.zero_stage is not None:
             layout = dataclasses.replace(layout, stage=args.zero_stage)
+        auto = args.auto or (asks_for_auto_stage(args.config) and args.zero_stage is None)
+        hardware = Hardware(device_memory=device, flops=_number(args.flops, "--flops"),
+                            bandwidth=parse_size(args.bandwidth, "--bandwidth"),
+                            host_bandwidth=parse_size(args.host_bandwidth, "--host-bandwidth"), host_memory=host,
+                            ranks_per_node=args.world_size // args.nodes)
         model = meta_model(args.model, task=args.task)
-    except (ConfigError, PlanModelError) as error:
+        model_name = type(model).__name__
+        profile = profile_model(model, args.seq_len, layout.precision, args.task)
+        checkpointing_chosen = None
+        if auto:
+            choice = choose(profile, layout, layout.micro_batch * layout.gas, hardware)
+            print(choice.explain())
+            layout, checkpointing_chosen = choice.best.layout, choice.best.checkpointing
+    except (ConfigError, PlanModelError, NoLayoutFits) as error:
         print(f"zerotune plan: {error}", file=sys.stderr)
         return 2
-    plan = plan_rank(model, layout, args.seq_len, args.task)
-    print(f"{type(model).__name__}: {plan.trainable + plan.frozen:,} parameters ({plan.trainable:,} trainable); "
+    plan = plan_from_profile(profile, layout)
+    print(f"{model_name}: {plan.trainable + plan.frozen:,} parameters ({plan.trainable:,} trainable); "
           f"ZeRO {layout.stage}, {layout.precision}, {args.world_size} ranks, micro-batch {layout.micro_batch} x "
           f"{args.seq_len} tokens; offload_optimizer {layout.offload_optimizer}, offload_param {layout.offload_param}")
     width = max(len(row.name) for row in plan.rows)
     for row in plan.rows:
         print(f"  {row.name:<{width}}  {_gib(row.bytes):>14}  {row.where:<6}  {row.note}")
     fits = True
-    for checkpointing in (False, True):
+    for checkpointing in (False, True) if checkpointing_chosen is None else (checkpointing_chosen,):
         total = plan.total("device", checkpointing)
         verdict = "fits" if total <= device else "does NOT fit"
         fits_here = total <= device
         label = "with activation checkpointing" if checkpointing else "without activation checkpointing"
         print(f"  device total {label}: {_gib(total)} of {_gib(device)}: {verdict}")
-        fits = fits_here if checkpointing else fits
+        fits = fits_here if checkpointing or checkpointing_chosen is not None else fits
     if host is not None:
         per_node = plan.total("host") * (args.world_size // args.nodes)
         print(f"  host memory per node for offload: {_gib(per_node)} of {_gib(host)}: "

@@ -28,6 +28,7 @@ class Layout:
     dp: int
     precision: str
     micro_batch: int
+    gas: int = 1
     optimizer: str = "adamw"
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -36,8 +37,14 @@ class Layout:
     prefetch_bucket: int = int(5e7)
 
 
+def asks_for_auto_stage(source: Any) -> bool:
+    """``"zero_optimization": {"stage": "auto"}``: the layout is the plan's to choose (``auto.py``)."""
+    return load_config(source).zero_optimization.stage == "auto"
+
+
 def layout_from_config(source: Any, world_size: int) -> Layout:
-    """The layout a DeepSpeed-style config describes on ``world_size`` ranks (data parallel only)."""
+    """The layout a DeepSpeed-style config describes on ``world_size`` ranks (data parallel only); a stage
+    "auto" reads as 0 here (``asks_for_auto_stage`` tells the caller to choose)."""
     config = load_config(source)
     for key, size in (("tensor_parallel.autotp_size", config.tensor_parallel.autotp_size),
                       ("pipeline.stages", config.pipeline.stages),
@@ -53,7 +60,9 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
 
     micro = config.train_micro_batch_size_per_gpu
     precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
-    return Layout(stage=zero.stage, dp=world_size, precision=precision, micro_batch=number(micro, 1),
+    gas = config.gradient_accumulation_steps
+    return Layout(stage=number(zero.stage, 0), dp=world_size, precision=precision, micro_batch=number(micro, 1),
+                  gas=number(gas, 1),
                   optimizer=(config.optimizer.type if config.optimizer is not None else "adamw"),
                   offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
                   reduce_bucket=number(zero.reduce_bucket_size, int(5e8)),
@@ -89,16 +98,49 @@ def largest_unit_params(model: torch.nn.Module) -> int:
     return max((sum(p.numel() for p in params) for params in units.values()), default=0)
 
 
+@dataclass(frozen=True)
+class ModelProfile:
+    """What the plan needs of a model, measured once: parameter counts, the largest stage-3 unit, and the
+    activations of one example (they scale with the micro-batch: a transformer's examples do not mix)."""
+
+    trainable: int
+    frozen: int
+    largest_unit: int
+    per_example: ActivationProfile
+    seq_len: int
+    width: int  # bytes per element of the traced precision
+
+
+def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: str = "causal-lm") -> ModelProfile:
+    """Counts and a one-example activation trace of ``model`` (on the meta device; consumed by the trace)."""
+    trainable, frozen = parameter_counts(model)
+    largest_unit = largest_unit_params(model)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    per_example = trace_activations(model, 1, seq_len, dtype=dtype, task=task)
+    return ModelProfile(trainable, frozen, largest_unit, per_example, seq_len,
+                        2 if precision in ("bf16", "fp16") else 4)
+
+
 def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = "causal-lm") -> RankPlan:
     """Per-rank memory of training ``model`` (on the meta device; consumed by the activation trace) with
     ``layout`` at ``seq_len`` tokens."""
-    trainable, frozen = parameter_counts(model)
+    return plan_from_profile(profile_model(model, seq_len, layout.precision, task), layout)
+
+
+def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
+    """Per-rank memory of ``layout`` for a profiled model (pure arithmetic: the auto layout calls it per
+    candidate)."""
+    trainable, frozen = profile.trainable, profile.frozen
     states = zerotune_model_states(trainable, frozen, stage=layout.stage, dp=layout.dp, precision=layout.precision,
                                    optimizer=layout.optimizer, offload_optimizer=layout.offload_optimizer,
                                    offload_param=layout.offload_param)
-    width = 2 if layout.precision in ("bf16", "fp16") else 4
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(layout.precision, torch.float32)
-    plan = RankPlan(trainable=trainable, frozen=frozen)
+    width = profile.width
+    micro = layout.micro_batch
+    activations = ActivationProfile(profile.per_example.saved_bytes * micro,
+                                    [b * micro for b in profile.per_example.block_saved],
+                                    [b * micro for b in profile.per_example.block_inputs],
+                                    profile.per_example.logits_bytes * micro)
+    plan = RankPlan(trainable=trainable, frozen=frozen, activations=activations)
     rows = plan.rows
     rows.append(Row("parameters", states.params, note=f"{trainable + frozen:,} x {width} B"
                     + (f" / {layout.dp}" if layout.stage == 3 else "")))
@@ -106,15 +148,12 @@ def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = 
     rows.append(Row("fp32 master weights", states.master_weights))
     rows.append(Row("optimizer state", states.optimizer_state, note=layout.optimizer))
     rows.append(Row("communication buckets", _bucket_bytes(layout, trainable + frozen, trainable, width)))
-    largest_unit = largest_unit_params(model) if layout.stage == 3 else 0
-    activations = trace_activations(model, layout.micro_batch, seq_len, dtype=dtype, task=task)
-    plan.activations = activations
     rows.append(Row("activations (no checkpointing)", activations.saved_bytes,
-                    note=f"micro-batch {layout.micro_batch} x {seq_len} tokens"))
+                    note=f"micro-batch {micro} x {profile.seq_len} tokens"))
     rows.append(Row("activations (checkpointing every block)", activations.checkpointed_bytes,
                     note=f"{len(activations.block_saved)} blocks"))
     if layout.stage == 3:
-        rows.append(Row("largest unit gathered", width * largest_unit, note="stage 3 all-gather"))
+        rows.append(Row("largest unit gathered", width * profile.largest_unit, note="stage 3 all-gather"))
     if activations.logits_bytes:  # the loss runs in fp32 whatever the precision: two fp32 gradient buffers at once
         tokens_x_vocab = activations.logits_bytes // width
         rows.append(Row("loss logits peak", tokens_x_vocab * 8, note="fp32 gradients of log-softmax and logits"))

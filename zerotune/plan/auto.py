@@ -1,0 +1,206 @@
+"""``"zero_optimization": {"stage": "auto"}`` and ``zerotune plan --auto``: the fastest layout that fits.
+
+Candidates: ZeRO stage 0-3, optimizer offload to the host (and, at stage 3, parameter offload), activation
+checkpointing on or off, and every micro-batch that divides the per-rank batch (the rest is gradient
+accumulation). Each candidate's per-rank memory comes from ``memory.plan_from_profile``; its step time from
+a cost model:
+
+* compute: 6 flops per parameter per token (forward + backward), 8 with activation checkpointing (the
+  forward runs again), over the device's flops;
+* communication per rank, ring collectives moving (N - 1) / N of the buffer: stage 0 all-reduces the fp32
+  gradients once per step (2 x 4 bytes per trainable parameter); stage 1 reduce-scatters and all-gathers
+  once per step (2 x width); stage 2 reduces every micro-step and all-gathers once; stage 3 gathers the
+  parameters twice and reduce-scatters the gradients every micro-step -- over the given (or measured)
+  bandwidth, with no credit for overlap;
+* offload: gradients to the host and parameters back every step (every micro-step for offloaded
+  parameters) over the host link, and the host optimizer's update.
+
+Layouts whose device total exceeds the budget (or whose offloaded state exceeds the host memory) are out;
+the rest are ranked by modeled step time, ties going to less communication. The choice, its reason and
+the runner-up are printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from zerotune.plan.memory import Layout, ModelProfile, plan_from_profile
+
+HOST_OPTIMIZER_PARAMS_PER_S = 1e9  # parameters a host Adam updates per second per rank (order of magnitude)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device_memory: int
+    flops: float = 400e12  # per device, dense 16-bit
+    bandwidth: float = 50e9  # bytes/s per rank in a ring collective
+    host_bandwidth: float = 25e9  # bytes/s device <-> host
+    host_memory: int | None = None  # per node
+    ranks_per_node: int = 8
+    headroom: float = 0.9  # the share of device memory a layout may plan to use: the rest is for the allocator's
+    # fragmentation and what the plan does not see (its measured error is within 10%: bench_plan_accuracy.py)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    checkpointing: bool
+    gas: int
+    device_bytes: int
+    host_bytes: int
+    comm_bytes: float
+    seconds: float
+
+    def describe(self) -> str:
+        offload = []
+        if self.layout.offload_optimizer != "none":
+            offload.append(f"optimizer on {self.layout.offload_optimizer}")
+        if self.layout.offload_param != "none":
+            offload.append(f"parameters on {self.layout.offload_param}")
+        return (f"ZeRO {self.layout.stage}{', ' + ', '.join(offload) if offload else ''}, activation checkpointing "
+                f"{'on' if self.checkpointing else 'off'}, micro-batch {self.layout.micro_batch} x {self.gas} "
+                f"accumulation: {self.device_bytes / 2**30:.2f} GiB per rank, {self.comm_bytes / 2**30:.2f} GiB "
+                f"communicated per rank per step, {self.seconds * 1e3:.1f} ms per step (modeled)")
+
+
+def communication_bytes(layout: Layout, trainable: int, params: int, gas: int) -> float:
+    """Bytes each rank sends per optimizer step (ring: (N - 1) / N of each collective's buffer)."""
+    n = layout.dp
+    if n == 1:
+        return 0.0
+    ring = (n - 1) / n
+    width = 2 if layout.precision in ("bf16", "fp16") else 4
+    if layout.stage == 0:
+        return 2 * ring * 4 * trainable
+    if layout.stage == 1:
+        return ring * width * (trainable + params)
+    if layout.stage == 2:
+        return ring * width * (gas * trainable + params)
+    return ring * width * gas * (2 * params + trainable)
+
+
+def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing: bool, hardware: Hardware) -> tuple[float, float]:
+    """(modeled seconds per optimizer step, bytes communicated per rank)."""
+    params = profile.trainable + profile.frozen
+    tokens = layout.micro_batch * gas * profile.seq_len
+    compute = (8 if checkpointing else 6) * params * tokens / hardware.flops
+    comm = communication_bytes(layout, profile.trainable, params, gas)
+    seconds = compute + comm / hardware.bandwidth
+    shard = profile.trainable / (1 if layout.stage == 0 else layout.dp)
+    if layout.offload_optimizer != "none":
+        width = 2 if layout.precision in ("bf16", "fp16") else 4
+        seconds += (4 * shard + width * shard) / hardware.host_bandwidth + shard / HOST_OPTIMIZER_PARAMS_PER_S
+    if layout.offload_param != "none":
+        width = 2 if layout.precision in ("bf16", "fp16") else 4
+        seconds += gas * 2 * width * params / layout.dp / hardware.host_bandwidth
+    return seconds, comm
+
+
+def candidates(profile: ModelProfile, base: Layout, per_rank_batch: int, hardware: Hardware,
+               micro_batches: list[int] | None = None, checkpointing: tuple[bool, ...] = (False, True),
+               vary_offload: bool = True) -> list[Candidate]:
+    """Every layout of the space, with its memory and modeled time (fitting or not). ``micro_batches``: the
+    micro-batches to consider (default: every divisor of ``per_rank_batch``); ``vary_offload`` False keeps
+    ``base``'s offload settings."""
+    result = []
+    micros = micro_batches or [m for m in range(1, per_rank_batch + 1) if per_rank_batch % m == 0]
+    for stage in (0, 1, 2, 3):
+        offloads = [("none", "none"), ("cpu", "none")] + ([("cpu", "cpu")] if stage == 3 else [])
+        if not vary_offload:
+            offloads = [(base.offload_optimizer, base.offload_param if stage == 3 else "none")]
+        for offload_optimizer, offload_param in offloads:
+            if stage == 0 and offload_optimizer != "none":
+                continue  # offload needs a partitioned optimizer (ZeRO 1-3)
+            for micro in micros:
+                layout = dataclasses.replace(base, stage=stage, micro_batch=micro, offload_optimizer=offload_optimizer,
+                                             offload_param=offload_param)
+                plan = plan_from_profile(profile, layout)
+                for ckpt in checkpointing:
+                    gas = max(1, per_rank_batch // micro)
+                    seconds, comm = step_seconds(layout, profile, gas, ckpt, hardware)
+                    result.append(Candidate(layout, ckpt, gas, plan.total("device", ckpt), plan.total("host"), comm,
+                                            seconds))
+    return result
+
+
+def fits(candidate: Candidate, hardware: Hardware) -> bool:
+    if candidate.device_bytes > hardware.headroom * hardware.device_memory:
+        return False
+    if hardware.host_memory is not None and candidate.host_bytes * hardware.ranks_per_node > hardware.host_memory:
+        return False
+    return True
+
+
+@dataclass
+class Choice:
+    best: Candidate
+    runner_up: Candidate | None
+    considered: int
+    fitting: int
+    headroom: float
+
+    def explain(self) -> str:
+        lines = [f"auto layout: {self.best.describe()}",
+                 f"  why: the fastest by the cost model of the {self.fitting} of {self.considered} candidate layouts "
+                 f"that fit in {self.headroom:.0%} of the device (compute + communication + offload traffic, no "
+                 "overlap credited)"]
+        if self.runner_up is not None:
+            slower = self.runner_up.seconds / self.best.seconds - 1 if self.best.seconds else 0.0
+            lines.append(f"  runner-up ({slower:+.1%}): {self.runner_up.describe()}")
+        return "\n".join(lines)
+
+
+class NoLayoutFits(ValueError):
+    """Not even the most frugal layout fits; the message names it and its needs."""
+
+
+def choose(profile: ModelProfile, base: Layout, per_rank_batch: int, hardware: Hardware,
+           micro_batches: list[int] | None = None, checkpointing: tuple[bool, ...] = (False, True),
+           vary_offload: bool = True) -> Choice:
+    """The fastest fitting candidate and the runner-up; NoLayoutFits when none fits."""
+    everything = candidates(profile, base, per_rank_batch, hardware, micro_batches, checkpointing, vary_offload)
+    # ties: less communication, then fewer micro-steps (larger kernels), then less memory
+    fitting = sorted((c for c in everything if fits(c, hardware)),
+                     key=lambda c: (round(c.seconds, 9), c.comm_bytes, c.gas, c.device_bytes))
+    if not fitting:
+        smallest = min(everything, key=lambda c: c.device_bytes)
+        raise NoLayoutFits(f"no layout fits {hardware.headroom:.0%} of {hardware.device_memory / 2**30:.2f} GiB per "
+                           f"device: the smallest, "
+                           f"{smallest.describe()}; add ranks, lower the sequence length or offload to NVMe")
+    return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, len(everything), len(fitting), hardware.headroom)
+
+
+
+def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, device: torch.device) -> Choice:
+    """``initialize`` with ``"stage": "auto"``: the same choice for the live model, over the ZeRO stages with
+    the config's micro-batch, accumulation, precision and offload. Activations are not in it (initialize
+    does not know the sequence length; ``zerotune plan --seq-len`` does), so the device budget is the
+    device's memory (CUDA) or this rank's share of the host's (CPU)."""
+    from zerotune.plan.activations import ActivationProfile
+    from zerotune.plan.memory import largest_unit_params
+    from zerotune.plan.meta_model import parameter_counts
+
+    def number(value: Any) -> int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else 1
+
+    zero = config.zero_optimization
+    precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
+    base = Layout(stage=0, dp=dp, precision=precision, micro_batch=number(config.train_micro_batch_size_per_gpu),
+                  gas=number(config.gradient_accumulation_steps),
+                  optimizer=config.optimizer.type if config.optimizer is not None else "adamw",
+                  offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device)
+    trainable, frozen = parameter_counts(model)
+    profile = ModelProfile(trainable, frozen, largest_unit_params(model), ActivationProfile(0), 1,
+                           2 if precision != "fp32" else 4)
+    if device.type == "cuda":
+        memory = torch.cuda.get_device_properties(device).total_memory
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local
+    return choose(profile, base, base.micro_batch * base.gas, Hardware(device_memory=memory),
+                  micro_batches=[base.micro_batch], checkpointing=(False,), vary_offload=False)
