@@ -73,7 +73,7 @@ def _gib(value: int) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from zerotune.plan.auto import Hardware, NoLayoutFits, choose
+    from zerotune.plan.auto import Hardware, NoLayoutFits, choose, step_seconds
     from zerotune.plan.memory import asks_for_auto_stage, layout_from_config, plan_from_profile, profile_model
     from zerotune.plan.meta_model import PlanModelError, meta_model
 
@@ -125,4 +125,9 @@ def run_plan(args: argparse.Namespace) -> int:
         fits = fits and per_node <= host
     if plan.total("nvme"):
         print(f"  NVMe space per node: {_gib(plan.total('nvme') * (args.world_size // args.nodes))}")
+    for checkpointing in (False, True) if checkpointing_chosen is None else (checkpointing_chosen,):
+        seconds, comm = step_seconds(layout, profile, layout.gas, checkpointing, hardware)
+        print(f"  modeled step time {'with' if checkpointing else 'without'} activation checkpointing: "
+              f"{seconds * 1e3:.1f} ms ({comm / 2**30:.2f} GiB communicated per rank; --flops {hardware.flops:.3g}, "
+              f"--bandwidth {hardware.bandwidth / 1e9:g} GB/s, no overlap credited)")
     return 0 if fits else 1
