@@ -30,6 +30,9 @@ def add_compare_parser(subparsers: Any) -> None:
     parser.add_argument("--output-dir", default="compare-methods", help="one run directory per method, and the table")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a recipe value for every method (repeatable)")
+    parser.add_argument("--reuse", action="store_true",
+                        help="read the finished runs already in --output-dir instead of fine-tuning again (the table "
+                             "only)")
     parser.set_defaults(func=run_compare)
 
 
@@ -47,7 +50,7 @@ def _method_lrs(methods: list[str], given: list[str]) -> dict[str, float]:
 
 
 def run_compare(args: argparse.Namespace) -> int:
-    from zerotune.finetune.compare import compare, format_table, plot_curves, run_method
+    from zerotune.finetune.compare import compare, format_table, plot_curves, read_run, run_method
     from zerotune.finetune.recipe import METHODS, load_recipe
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -75,8 +78,11 @@ def run_compare(args: argparse.Namespace) -> int:
     output = Path(args.output_dir)
     runs = []
     for method in methods:
-        print(f"compare-methods: fine-tuning with {method} ({output / method}) ...", flush=True)
-        run = run_method(args.recipe, method, output / method, [*overrides, *_lr_override(lrs, method)], metric)
+        if args.reuse and (output / method / "summary.json").is_file():
+            run = read_run(method, output / method, metric)
+        else:
+            print(f"compare-methods: fine-tuning with {method} ({output / method}) ...", flush=True)
+            run = run_method(args.recipe, method, output / method, [*overrides, *_lr_override(lrs, method)], metric)
         print(f"compare-methods: {method}: " + (run.error or f"{metric} {run.summary['before']:.4f} -> "
                                                  f"{run.summary['after']:.4f} in {run.summary['steps']} steps"),
               flush=True)

@@ -8,7 +8,9 @@ own lr where given), in its own process and output directory, so its memory is i
   paper's accounting) and the process's peak resident memory, each as % of the full run's;
 * steps to reach the full run's final eval metric, as % of the full run's own steps to it (and the
   convergence speed, its inverse); "not reached" when a method never gets there in the run;
-* the final metric, trainable parameters, and training throughput.
+* the final metric, and how much of the full run's improvement over the untouched model (its metric before
+  the first step) it achieved;
+* trainable parameters, and training throughput.
 
 Nothing is estimated: a figure absent from a run (a failed method) is shown as such.
 """
@@ -95,6 +97,8 @@ def compare(runs: list[MethodRun], metric: str, greater_is_better: bool) -> list
     full_steps = steps_to_reach(full.evals, target, greater_is_better) if target is not None else None
     full_state = _per_rank_max(full.summary, "model_state_mib_per_rank") if full else None
     full_peak = _per_rank_max(full.summary, "peak_memory_mib_per_rank") if full else None
+    base = full.summary.get("before") if full else None  # the untouched model's metric (before any step)
+    full_gain = (target - base) if target is not None and base is not None else None
     rows = []
     for run in runs:
         if run.error is not None:
@@ -110,6 +114,7 @@ def compare(runs: list[MethodRun], metric: str, greater_is_better: bool) -> list
             "steps_to_full_final": reached, "steps_pct_of_full": _percent(reached, full_steps),
             "convergence_speed_pct_of_full": _percent(full_steps, reached),
             "final_metric": run.evals[-1][1] if run.evals else run.summary.get("after"),
+            "improvement_pct_of_full": _percent(run.evals[-1][1] - base, full_gain) if run.evals and full_gain else None,
             "best_metric": best[1] if best else None, "best_step": best[0] if best else None,
             "steps": run.summary.get("steps"), "trainable_parameters": run.summary.get("trainable_parameters"),
             "samples_per_s": run.summary.get("samples_per_s"),
@@ -127,7 +132,8 @@ def format_table(rows: list[dict[str, Any]], metric: str, target: float | None) 
     """The seed's method table as markdown, from the measured rows."""
     reach = f"steps to full's final {metric}" + (f" ({target:.4f})" if target is not None else "")
     header = ["method", "model state / rank MiB (% of full)", "peak RSS / rank MiB (% of full)", reach,
-              "convergence speed (% of full)", f"final {metric}", "trainable params", "samples/s"]
+              "convergence speed (% of full)", f"final {metric}", "improvement (% of full's)", "trainable params",
+              "samples/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if "error" in row:
@@ -143,7 +149,8 @@ def format_table(rows: list[dict[str, Any]], metric: str, target: float | None) 
             f"{_cell(row['peak_rss_mib'], '{:.0f}')} ({_cell(row['peak_rss_pct_of_full'], '{:.0f}')}%)",
             reach_cell, _cell(row["convergence_speed_pct_of_full"], "{:.0f}") + "%"
             if row["convergence_speed_pct_of_full"] is not None else "-",
-            _cell(row["final_metric"], "{:.4f}"), _cell(row["trainable_parameters"], "{:,}"),
+            _cell(row["final_metric"], "{:.4f}"), _cell(row["improvement_pct_of_full"], "{:.0f}") + "%"
+            if row["improvement_pct_of_full"] is not None else "-", _cell(row["trainable_parameters"], "{:,}"),
             _cell(row["samples_per_s"], "{:.2f}")]) + " |")
     return "\n".join(lines)
 
