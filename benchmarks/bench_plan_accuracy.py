@@ -2,7 +2,7 @@
 
     python benchmarks/bench_plan_accuracy.py [--cases all|NAME,...]
 
-For each case, the prediction is ``plan_rank`` on the model built on the meta device: model state, buckets,
+Data parallel over 2 ranks, or tensor parallel over both (``tp``). For each case, the prediction is ``plan_rank`` on the model built on the meta device: model state, buckets,
 activations (checkpointed or not, as the case trains), the largest stage-3 unit's gather and the loss
 logits peak. The measurement is an actual 2-rank CPU run of two optimizer steps on the same model and
 config, under ``tests/memory_probe.PeakTensorBytes``: the most bytes of tensor storage alive at once,
@@ -40,7 +40,8 @@ def llama(hidden: int, layers: int, vocab: int = 32000) -> torch.nn.Module:
 def gpt2(hidden: int, layers: int) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=max(1, hidden // 64), n_positions=1024))
+    return GPT2LMHeadModel(GPT2Config(n_embd=hidden, n_layer=layers, n_head=max(1, hidden // 64), n_positions=1024,
+                                      vocab_size=50304))  # padded to a multiple of 64 (nanoGPT's), so it splits
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class Case:
     micro: int = 4
     seq: int = 128
     bucket: int | None = None  # reduce / all-gather / prefetch bucket elements; None: the config defaults
+    tp: int = 1  # tensor-parallel size (of the 2 ranks)
 
     def model(self) -> torch.nn.Module:
         return (llama if self.family == "llama" else gpt2)(self.hidden, self.layers)
@@ -63,6 +65,7 @@ class Case:
     def config(self) -> dict:
         return {"train_micro_batch_size_per_gpu": self.micro, "steps_per_print": 1000,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": self.precision == "bf16"},
+                "tensor_parallel": {"autotp_size": self.tp},
                 "zero_optimization": {"stage": self.stage, "offload_optimizer": {"device": self.offload},
                                       **({"reduce_bucket_size": self.bucket, "allgather_bucket_size": self.bucket,
                                           "stage3_prefetch_bucket_size": self.bucket} if self.bucket else {})}}
@@ -77,6 +80,8 @@ CASES = [
     Case("gpt2-30M z3 fp32 ckpt", "gpt2", 384, 6, 3, "fp32", checkpointing=True),
     Case("llama-60M z1 fp32", "llama", 512, 8, 1, "fp32"),
     Case("gpt2-124M z2 bf16", "gpt2", 768, 12, 2, "bf16", micro=2),
+    Case("llama-20M tp2 fp32", "llama", 256, 4, 0, "fp32", tp=2),
+    Case("gpt2-30M tp2 z1 bf16", "gpt2", 384, 6, 1, "bf16", tp=2),
 ]
 
 
@@ -105,7 +110,7 @@ def predict(case: Case) -> int:
 
     with torch.device("meta"):
         model = case.model()
-    layout = Layout(stage=case.stage, dp=WORLD, precision=case.precision, micro_batch=case.micro,
+    layout = Layout(stage=case.stage, dp=WORLD // case.tp, tp=case.tp, precision=case.precision, micro_batch=case.micro,
                     offload_optimizer=case.offload)
     plan = plan_rank(model, layout, case.seq)
     return plan.total("device", case.checkpointing) + plan.total("host")  # one memory on CPU

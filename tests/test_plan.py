@@ -238,3 +238,21 @@ def test_initialize_with_stage_auto_takes_the_plans_choice(caplog) -> None:
     expected = choose(profile, Layout(stage=0, dp=2, precision="fp32", micro_batch=2), 2,
                       Hardware(device_memory=2**34), micro_batches=[2], checkpointing=(False,), vary_offload=False)
     assert stage == expected.best.layout.stage and stage in (1, 2) and loss == loss
+
+
+def test_a_tensor_parallel_plan_splits_the_model_as_autotp_does(capsys, tmp_path) -> None:
+    """zerotune's own apply_autotp splits the meta model over a fake 2-rank group (no process group is left
+    behind); norms stay whole, so a rank holds a little more than half."""
+    from zerotune.cli.main import main
+
+    config = tmp_path / "tp2.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                  "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1},
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}))
+    assert main(["plan", str(config), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+                 "--seq-len", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert "3,369,340,928 parameters" in out and "(dp 4 x tp 2)" in out
+    assert not torch.distributed.is_initialized()
+    assert main(["plan", str(config), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8", "--auto"]) == 2
+    assert "--auto: the auto layout searches data-parallel layouts" in capsys.readouterr().err

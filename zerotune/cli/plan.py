@@ -94,8 +94,12 @@ def run_plan(args: argparse.Namespace) -> int:
                             ranks_per_node=args.world_size // args.nodes)
         model = meta_model(args.model, task=args.task)
         model_name = type(model).__name__
-        profile = profile_model(model, args.seq_len, layout.precision, args.task)
+        profile = profile_model(model, args.seq_len, layout.precision, args.task, layout.tp)
         checkpointing_chosen = None
+        if auto and layout.tp > 1:
+            raise ConfigError("--auto", "the auto layout searches data-parallel layouts (ZeRO stage, offload, "
+                                        "checkpointing, micro-batch) so far; set tensor_parallel.autotp_size to 1 or "
+                                        "plan this tensor-parallel layout without --auto")
         if auto:
             choice = choose(profile, layout, layout.micro_batch * layout.gas, hardware)
             print(choice.explain())
@@ -105,7 +109,7 @@ def run_plan(args: argparse.Namespace) -> int:
         return 2
     plan = plan_from_profile(profile, layout)
     print(f"{model_name}: {plan.trainable + plan.frozen:,} parameters ({plan.trainable:,} trainable); "
-          f"ZeRO {layout.stage}, {layout.precision}, {args.world_size} ranks, micro-batch {layout.micro_batch} x "
+          f"ZeRO {layout.stage}, {layout.precision}, {args.world_size} ranks (dp {layout.dp} x tp {layout.tp}), micro-batch {layout.micro_batch} x "
           f"{args.seq_len} tokens; offload_optimizer {layout.offload_optimizer}, offload_param {layout.offload_param}")
     width = max(len(row.name) for row in plan.rows)
     for row in plan.rows:
@@ -129,5 +133,6 @@ def run_plan(args: argparse.Namespace) -> int:
         seconds, comm = step_seconds(layout, profile, layout.gas, checkpointing, hardware)
         print(f"  modeled step time {'with' if checkpointing else 'without'} activation checkpointing: "
               f"{seconds * 1e3:.1f} ms ({comm / 2**30:.2f} GiB communicated per rank; --flops {hardware.flops:.3g}, "
-              f"--bandwidth {hardware.bandwidth / 1e9:g} GB/s, no overlap credited)")
+              f"--bandwidth {hardware.bandwidth / 1e9:g} GB/s, no overlap credited"
+              + ("; tensor-parallel all-reduces of activations not modeled yet)" if layout.tp > 1 else ")"))
     return 0 if fits else 1

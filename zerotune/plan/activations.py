@@ -56,16 +56,40 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
 
 
 def trace_activations(model: torch.nn.Module, batch: int, seq_len: int, *, dtype: torch.dtype,
-                      task: str = "causal-lm") -> ActivationProfile:
-    """Run one training forward (with labels) of ``model`` (built on the meta device) at ``dtype``. The model
-    is consumed: its parameters become fake tensors."""
+                      task: str = "causal-lm", tp: int = 1) -> ActivationProfile:
+    """Run one training forward (with labels) of ``model`` (built on the meta device) at ``dtype``, as rank 0
+    of a ``tp``-way tensor-parallel group when ``tp`` > 1 (zerotune's ``apply_autotp`` splits it first, over
+    a fake process group). The model is consumed: its parameters become fake tensors (this rank's shards)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     model = model.to(dtype=dtype)
     model.train()
+    ties = _tied_names(model)
     with FakeTensorMode(allow_non_fake_inputs=True):
         model.to_empty(device="cpu")
-        return _trace(model, batch, seq_len, task)
+        for name, first in ties:  # to_empty gives each module its own tensor: share the tied weight again
+            parent, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(parent), attribute, model.get_parameter(first))
+        if tp == 1:
+            return _trace(model, batch, seq_len, task)
+        from zerotune.parallel.tensor.autotp import apply_autotp
+        from zerotune.plan.fake_group import fake_world
+
+        with fake_world(tp) as group:
+            apply_autotp(model, group)
+            return _trace(model, batch, seq_len, task)
+
+
+def _tied_names(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(name, the first name of the same parameter) for every parameter reachable under two names."""
+    first: dict[int, str] = {}
+    ties = []
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in first:
+            ties.append((name, first[id(parameter)]))
+        else:
+            first[id(parameter)] = name
+    return ties
 
 
 def _trace(model: torch.nn.Module, batch: int, seq_len: int, task: str) -> ActivationProfile:

@@ -29,6 +29,7 @@ class Layout:
     precision: str
     micro_batch: int
     gas: int = 1
+    tp: int = 1  # tensor-parallel size; dp = world / tp
     optimizer: str = "adamw"
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -46,12 +47,16 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
     """The layout a DeepSpeed-style config describes on ``world_size`` ranks (data parallel only); a stage
     "auto" reads as 0 here (``asks_for_auto_stage`` tells the caller to choose)."""
     config = load_config(source)
-    for key, size in (("tensor_parallel.autotp_size", config.tensor_parallel.autotp_size),
-                      ("pipeline.stages", config.pipeline.stages),
+    for key, size in (("pipeline.stages", config.pipeline.stages),
                       ("sequence_parallel_size", config.sequence_parallel_size)):
         if isinstance(size, int) and size > 1:
-            raise ConfigError(key, f"{size}: zerotune plan models data-parallel layouts (ZeRO 0-3, offload) so far; "
-                                   "tensor, pipeline and sequence parallel layouts are not planned yet")
+            raise ConfigError(key, f"{size}: zerotune plan models data- and tensor-parallel layouts so far; pipeline "
+                                   "and sequence parallel layouts are not planned yet")
+    tp = config.tensor_parallel.autotp_size
+    tp = tp if isinstance(tp, int) and tp > 1 else 1
+    if world_size % tp:
+        raise ConfigError("tensor_parallel.autotp_size", f"{tp} does not divide the world size {world_size}")
+    world_size //= tp  # the data-parallel size
     config = resolve_config(config, dp_world_size=world_size, strict=False)
     zero = config.zero_optimization
 
@@ -62,7 +67,7 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
     precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
     gas = config.gradient_accumulation_steps
     return Layout(stage=number(zero.stage, 0), dp=world_size, precision=precision, micro_batch=number(micro, 1),
-                  gas=number(gas, 1),
+                  gas=number(gas, 1), tp=tp,
                   optimizer=(config.optimizer.type if config.optimizer is not None else "adamw"),
                   offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
                   reduce_bucket=number(zero.reduce_bucket_size, int(5e8)),
@@ -111,20 +116,21 @@ class ModelProfile:
     width: int  # bytes per element of the traced precision
 
 
-def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: str = "causal-lm") -> ModelProfile:
-    """Counts and a one-example activation trace of ``model`` (on the meta device; consumed by the trace)."""
-    trainable, frozen = parameter_counts(model)
-    largest_unit = largest_unit_params(model)
+def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: str = "causal-lm",
+                  tp: int = 1) -> ModelProfile:
+    """Counts and a one-example activation trace of one rank of ``model`` (on the meta device; consumed by the
+    trace), split over ``tp`` tensor-parallel ranks as zerotune would split it."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    per_example = trace_activations(model, 1, seq_len, dtype=dtype, task=task)
-    return ModelProfile(trainable, frozen, largest_unit, per_example, seq_len,
+    per_example = trace_activations(model, 1, seq_len, dtype=dtype, task=task, tp=tp)
+    trainable, frozen = parameter_counts(model)  # after the trace: this rank's shards (ties kept)
+    return ModelProfile(trainable, frozen, largest_unit_params(model), per_example, seq_len,
                         2 if precision in ("bf16", "fp16") else 4)
 
 
 def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = "causal-lm") -> RankPlan:
     """Per-rank memory of training ``model`` (on the meta device; consumed by the activation trace) with
     ``layout`` at ``seq_len`` tokens."""
-    return plan_from_profile(profile_model(model, seq_len, layout.precision, task), layout)
+    return plan_from_profile(profile_model(model, seq_len, layout.precision, task, layout.tp), layout)
 
 
 def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:

@@ -120,10 +120,11 @@ def _adopt_parameters(layer: nn.Module, module: nn.Module) -> None:
         setattr(layer, attribute, original)
 
 
-def apply_autotp(model: nn.Module, group: dist.ProcessGroup, *, layer_specs: tuple[LayerRule, ...] = (),
-                 use_default_specs: bool = True) -> list[ShardedLayer]:
-    """Split ``model``'s layers over ``group`` in place; returns what was split, in model order."""
-    tp = dist.get_world_size(group)
+def layers_to_split(model: nn.Module, tp: int, *, layer_specs: tuple[LayerRule, ...] = (),
+                    use_default_specs: bool = True) -> tuple[list[tuple[str, nn.Module, LayerRule]],
+                                                            ArchitecturePlan | None]:
+    """The ``(name, module, rule)`` of every layer ``apply_autotp`` splits over ``tp`` ranks (model order), and
+    the architecture plan; ``zerotune plan`` reads the split from here without a process group."""
     rules, plan = _plan_for(model, tp, tuple(layer_specs), use_default_specs)
     _check_heads(model, plan, tp)
     chosen: list[tuple[str, nn.Module, LayerRule]] = []
@@ -136,6 +137,14 @@ def apply_autotp(model: nn.Module, group: dist.ProcessGroup, *, layer_specs: tup
         raise TensorParallelPlanError(
             f"tensor parallelism: no layer of {type(model).__name__} matched the tensor-parallel rules "
             f"{[list(r.patterns) for r in rules]}; check the patterns against model.named_parameters()")
+    return chosen, plan
+
+
+def apply_autotp(model: nn.Module, group: dist.ProcessGroup, *, layer_specs: tuple[LayerRule, ...] = (),
+                 use_default_specs: bool = True) -> list[ShardedLayer]:
+    """Split ``model``'s layers over ``group`` in place; returns what was split, in model order."""
+    tp = dist.get_world_size(group)
+    chosen, plan = layers_to_split(model, tp, layer_specs=layer_specs, use_default_specs=use_default_specs)
     full = {id(p): p.detach().clone() for _, module, _ in chosen for p in module.parameters(recurse=False)}
     _check_ties(model, chosen)
     sharded = []
