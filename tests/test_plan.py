@@ -252,7 +252,24 @@ def test_a_tensor_parallel_plan_splits_the_model_as_autotp_does(capsys, tmp_path
     assert main(["plan", str(config), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
                  "--seq-len", "1024"]) == 0
     out = capsys.readouterr().out
-    assert "3,369,340,928 parameters" in out and "(dp 4 x tp 2)" in out
+    assert "3,369,340,928 parameters" in out and "(dp 4 x tp 2 x pp 1)" in out
     assert not torch.distributed.is_initialized()
     assert main(["plan", str(config), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8", "--auto"]) == 2
     assert "--auto: the auto layout searches data-parallel layouts" in capsys.readouterr().err
+
+
+def test_a_pipeline_plan_takes_the_fullest_stage_with_its_micro_batches_in_flight(capsys, tmp_path) -> None:
+    from zerotune.cli.main import main
+    from zerotune.plan.pipeline import in_flight
+
+    assert [in_flight(stage, 4, 8) for stage in range(4)] == [4, 3, 2, 1]
+    assert [in_flight(stage, 4, 2) for stage in range(4)] == [2, 2, 2, 1]
+    config = tmp_path / "pp2.json"
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 8,
+                                  "bf16": {"enabled": True}, "pipeline": {"stages": 2}, "zero_optimization": {"stage": 1},
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}))
+    assert main(["plan", str(config), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+                 "--seq-len", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "3,369,205,760 parameters" in out and "pipeline stage 0 (the fullest)" in out and "pp 2)" in out
+    assert "16 blocks" in out  # stage 0 holds half of the 32 blocks (and the embedding)

@@ -94,12 +94,12 @@ def run_plan(args: argparse.Namespace) -> int:
                             ranks_per_node=args.world_size // args.nodes)
         model = meta_model(args.model, task=args.task)
         model_name = type(model).__name__
-        profile = profile_model(model, args.seq_len, layout.precision, args.task, layout.tp)
+        profile = profile_model(model, args.seq_len, layout.precision, args.task, layout.tp, layout.pp)
         checkpointing_chosen = None
-        if auto and layout.tp > 1:
+        if auto and (layout.tp > 1 or layout.pp > 1):
             raise ConfigError("--auto", "the auto layout searches data-parallel layouts (ZeRO stage, offload, "
-                                        "checkpointing, micro-batch) so far; set tensor_parallel.autotp_size to 1 or "
-                                        "plan this tensor-parallel layout without --auto")
+                                        "checkpointing, micro-batch) so far; set tensor_parallel.autotp_size and "
+                                        "pipeline.stages to 1 or plan this layout without --auto")
         if auto:
             choice = choose(profile, layout, layout.micro_batch * layout.gas, hardware)
             print(choice.explain())
@@ -108,9 +108,11 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"zerotune plan: {error}", file=sys.stderr)
         return 2
     plan = plan_from_profile(profile, layout)
-    print(f"{model_name}: {plan.trainable + plan.frozen:,} parameters ({plan.trainable:,} trainable); "
-          f"ZeRO {layout.stage}, {layout.precision}, {args.world_size} ranks (dp {layout.dp} x tp {layout.tp}), micro-batch {layout.micro_batch} x "
-          f"{args.seq_len} tokens; offload_optimizer {layout.offload_optimizer}, offload_param {layout.offload_param}")
+    where = f", pipeline stage {plan.stage} (the fullest)" if plan.stage is not None else ""
+    print(f"{model_name}: {plan.trainable + plan.frozen:,} parameters ({plan.trainable:,} trainable){where}; "
+          f"ZeRO {layout.stage}, {layout.precision}, {args.world_size} ranks (dp {layout.dp} x tp {layout.tp} x pp "
+          f"{layout.pp}), micro-batch {layout.micro_batch} x {args.seq_len} tokens; offload_optimizer "
+          f"{layout.offload_optimizer}, offload_param {layout.offload_param}")
     width = max(len(row.name) for row in plan.rows)
     for row in plan.rows:
         print(f"  {row.name:<{width}}  {_gib(row.bytes):>14}  {row.where:<6}  {row.note}")
@@ -129,10 +131,12 @@ def run_plan(args: argparse.Namespace) -> int:
         fits = fits and per_node <= host
     if plan.total("nvme"):
         print(f"  NVMe space per node: {_gib(plan.total('nvme') * (args.world_size // args.nodes))}")
+    held = dataclasses.replace(profile, trainable=plan.trainable, frozen=plan.frozen)  # a pipeline stage's share
     for checkpointing in (False, True) if checkpointing_chosen is None else (checkpointing_chosen,):
-        seconds, comm = step_seconds(layout, profile, layout.gas, checkpointing, hardware)
+        seconds, comm = step_seconds(layout, held, layout.gas, checkpointing, hardware)
         print(f"  modeled step time {'with' if checkpointing else 'without'} activation checkpointing: "
               f"{seconds * 1e3:.1f} ms ({comm / 2**30:.2f} GiB communicated per rank; --flops {hardware.flops:.3g}, "
               f"--bandwidth {hardware.bandwidth / 1e9:g} GB/s, no overlap credited"
-              + ("; tensor-parallel all-reduces of activations not modeled yet)" if layout.tp > 1 else ")"))
+              + ("; model-parallel activation traffic and pipeline bubbles not modeled yet)"
+                 if layout.tp > 1 or layout.pp > 1 else ")"))
     return 0 if fits else 1

@@ -30,6 +30,8 @@ class ActivationProfile:
     """Each block's input (what a checkpointed block keeps)."""
     logits_bytes: int = 0
     """The output logits (batch x sequence x vocabulary)."""
+    recompute_bytes: int | None = None
+    """A block's activations alive again while it is recomputed (None: the largest of ``block_saved``)."""
 
     @property
     def checkpointed_bytes(self) -> int:
@@ -37,7 +39,14 @@ class ActivationProfile:
         largest block's activations while it is recomputed."""
         if not self.block_saved:
             return self.saved_bytes
-        return self.saved_bytes - sum(self.block_saved) + sum(self.block_inputs) + max(self.block_saved)
+        recompute = max(self.block_saved) if self.recompute_bytes is None else self.recompute_bytes
+        return self.saved_bytes - sum(self.block_saved) + sum(self.block_inputs) + recompute
+
+    def scaled(self, factor: int) -> ActivationProfile:
+        """The same for ``factor`` times the examples (a transformer's examples do not mix)."""
+        return ActivationProfile(self.saved_bytes * factor, [b * factor for b in self.block_saved],
+                                 [b * factor for b in self.block_inputs], self.logits_bytes * factor,
+                                 None if self.recompute_bytes is None else self.recompute_bytes * factor)
 
 
 def _storage(tensor: torch.Tensor) -> tuple[int, int]:

@@ -8,6 +8,7 @@ NVMe), so ``zerotune plan`` can print it and the auto layout can compare totals.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,7 @@ from zerotune.config import load_config, resolve_config
 from zerotune.config.errors import ConfigError
 from zerotune.plan.activations import ActivationProfile, trace_activations
 from zerotune.plan.meta_model import parameter_counts
+from zerotune.plan.pipeline import StageShare, in_flight, stage_activations, stage_shares
 from zerotune.plan.states import zerotune_model_states
 
 IN_FLIGHT_BUCKETS = 3  # stage 2: one bucket filling and up to two in flight (stage2_sync.py's max_in_flight)
@@ -29,7 +31,8 @@ class Layout:
     precision: str
     micro_batch: int
     gas: int = 1
-    tp: int = 1  # tensor-parallel size; dp = world / tp
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline stages; dp = world / (tp x pp)
     optimizer: str = "adamw"
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -47,16 +50,20 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
     """The layout a DeepSpeed-style config describes on ``world_size`` ranks (data parallel only); a stage
     "auto" reads as 0 here (``asks_for_auto_stage`` tells the caller to choose)."""
     config = load_config(source)
-    for key, size in (("pipeline.stages", config.pipeline.stages),
-                      ("sequence_parallel_size", config.sequence_parallel_size)):
-        if isinstance(size, int) and size > 1:
-            raise ConfigError(key, f"{size}: zerotune plan models data- and tensor-parallel layouts so far; pipeline "
-                                   "and sequence parallel layouts are not planned yet")
+    size = config.sequence_parallel_size
+    if isinstance(size, int) and size > 1:
+        raise ConfigError("sequence_parallel_size", f"{size}: zerotune plan models data-, tensor- and pipeline-"
+                                                    "parallel layouts so far; sequence parallelism is not planned yet")
     tp = config.tensor_parallel.autotp_size
     tp = tp if isinstance(tp, int) and tp > 1 else 1
-    if world_size % tp:
-        raise ConfigError("tensor_parallel.autotp_size", f"{tp} does not divide the world size {world_size}")
-    world_size //= tp  # the data-parallel size
+    pp = config.pipeline.stages if isinstance(config.pipeline.stages, int) else 1
+    if tp > 1 and pp > 1:
+        raise ConfigError("pipeline.stages", f"{pp} with tensor_parallel.autotp_size {tp}: zerotune plan models "
+                                             "tensor and pipeline parallelism apart so far, not composed (3D)")
+    if world_size % (tp * pp):
+        raise ConfigError("tensor_parallel.autotp_size" if tp > 1 else "pipeline.stages",
+                          f"{tp * pp} model-parallel ranks do not divide the world size {world_size}")
+    world_size //= tp * pp  # the data-parallel size
     config = resolve_config(config, dp_world_size=world_size, strict=False)
     zero = config.zero_optimization
 
@@ -67,7 +74,7 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
     precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
     gas = config.gradient_accumulation_steps
     return Layout(stage=number(zero.stage, 0), dp=world_size, precision=precision, micro_batch=number(micro, 1),
-                  gas=number(gas, 1), tp=tp,
+                  gas=number(gas, 1), tp=tp, pp=pp,
                   optimizer=(config.optimizer.type if config.optimizer is not None else "adamw"),
                   offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
                   reduce_bucket=number(zero.reduce_bucket_size, int(5e8)),
@@ -89,6 +96,7 @@ class RankPlan:
     activations: ActivationProfile | None = None
     trainable: int = 0
     frozen: int = 0
+    stage: int | None = None  # the pipeline stage this rank holds (the fullest one), when pipelined
 
     def total(self, where: str = "device", checkpointing: bool = False) -> int:
         skip = "activations (no checkpointing)" if checkpointing else "activations (checkpointing every block)"
@@ -114,38 +122,48 @@ class ModelProfile:
     per_example: ActivationProfile
     seq_len: int
     width: int  # bytes per element of the traced precision
+    stages: tuple[StageShare, ...] = ()  # pipeline stages' parameters and blocks (pipeline.py)
 
 
 def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: str = "causal-lm",
-                  tp: int = 1) -> ModelProfile:
+                  tp: int = 1, pp: int = 1) -> ModelProfile:
     """Counts and a one-example activation trace of one rank of ``model`` (on the meta device; consumed by the
-    trace), split over ``tp`` tensor-parallel ranks as zerotune would split it."""
+    trace), split over ``tp`` tensor-parallel ranks as zerotune would split it, and its ``pp`` pipeline
+    stages' shares."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    shares = tuple(stage_shares(model, pp)) if pp > 1 else ()
     per_example = trace_activations(model, 1, seq_len, dtype=dtype, task=task, tp=tp)
     trainable, frozen = parameter_counts(model)  # after the trace: this rank's shards (ties kept)
     return ModelProfile(trainable, frozen, largest_unit_params(model), per_example, seq_len,
-                        2 if precision in ("bf16", "fp16") else 4)
+                        2 if precision in ("bf16", "fp16") else 4, shares)
 
 
 def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = "causal-lm") -> RankPlan:
     """Per-rank memory of training ``model`` (on the meta device; consumed by the activation trace) with
     ``layout`` at ``seq_len`` tokens."""
-    return plan_from_profile(profile_model(model, seq_len, layout.precision, task, layout.tp), layout)
+    return plan_from_profile(profile_model(model, seq_len, layout.precision, task, layout.tp, layout.pp), layout)
 
 
 def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
     """Per-rank memory of ``layout`` for a profiled model (pure arithmetic: the auto layout calls it per
-    candidate)."""
+    candidate); with pipeline stages, the fullest stage's rank."""
+    if layout.pp > 1 and profile.stages:
+        plans = []
+        for share in profile.stages:
+            narrowed = dataclasses.replace(profile, trainable=share.trainable, frozen=share.frozen, stages=(),
+                                           per_example=stage_activations(profile.per_example, share,
+                                                                         in_flight(share.index, layout.pp, layout.gas)))
+            plan = plan_from_profile(narrowed, dataclasses.replace(layout, pp=1))
+            plan.stage = share.index
+            plans.append(plan)
+        return max(plans, key=lambda plan: plan.total("device"))
     trainable, frozen = profile.trainable, profile.frozen
     states = zerotune_model_states(trainable, frozen, stage=layout.stage, dp=layout.dp, precision=layout.precision,
                                    optimizer=layout.optimizer, offload_optimizer=layout.offload_optimizer,
                                    offload_param=layout.offload_param)
     width = profile.width
     micro = layout.micro_batch
-    activations = ActivationProfile(profile.per_example.saved_bytes * micro,
-                                    [b * micro for b in profile.per_example.block_saved],
-                                    [b * micro for b in profile.per_example.block_inputs],
-                                    profile.per_example.logits_bytes * micro)
+    activations = profile.per_example.scaled(micro)
     plan = RankPlan(trainable=trainable, frozen=frozen, activations=activations)
     rows = plan.rows
     rows.append(Row("parameters", states.params, note=f"{trainable + frozen:,} x {width} B"
