@@ -120,3 +120,25 @@ def test_merge_writes_the_merged_model_in_the_training_dtype(tmp_path) -> None:
     merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype="auto")
     assert {p.dtype for p in merged.parameters()} == {torch.bfloat16}
     assert not any("lora_" in name for name, _ in merged.named_parameters())
+
+
+def test_library_noise_is_quieted_and_colour_codes_are_stripped_off_a_terminal() -> None:
+    import logging
+    import warnings
+
+    import transformers
+
+    from zerotune.finetune.console import quiet_libraries
+
+    quiet_libraries(rank=0)
+    record = logging.LogRecord("transformers.modeling_utils", logging.WARNING, __file__, 1,
+                               "\x1b[1mBertForSequenceClassification LOAD REPORT\x1b[0m from: x", None, None)
+    handlers = transformers.utils.logging.get_logger().handlers
+    assert handlers and all(h.filter(record) for h in handlers)
+    assert record.msg == "BertForSequenceClassification LOAD REPORT from: x"
+    assert logging.getLogger("bitsandbytes.backends.cpu.ops").level == logging.ERROR
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        quiet_libraries(rank=0)
+        warnings.warn("`is_gradient_checkpointing` is deprecated and will be removed in v6.", FutureWarning)
+    assert caught == []

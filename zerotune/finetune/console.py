@@ -31,12 +31,14 @@ def quiet_libraries(rank: int) -> None:
     logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
     for deprecated in LIBRARY_DEPRECATIONS:  # one library calling another's deprecated name: not the user's to fix
         warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
-    if not sys.stderr.isatty():
-        logging.getLogger("transformers.utils.loading_report").addFilter(_StripColour())
-    if rank == 0:
-        return
     import datasets
     import transformers
+
+    if not sys.stderr.isatty():  # the load report is logged through transformers' own handler
+        for handler in transformers.utils.logging.get_logger().handlers:
+            handler.addFilter(_StripColour())
+    if rank == 0:
+        return
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
