@@ -151,6 +151,13 @@ def test_plan_input_errors_are_one_line(capsys, tmp_path) -> None:
     assert main(["plan", str(path), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
                  "--device-memory", "80 apples"]) == 2
     assert "--device-memory: '80 apples' is not a size" in capsys.readouterr().err
+    assert main(["plan", str(path), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+                 "--seq-len", "100000"]) == 2
+    assert "--seq-len 100000: LlamaForCausalLM takes at most 4096 positions" in capsys.readouterr().err
+    assert main(["plan", str(path), "--model", "torch.nn:Identity", "--world-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert "Identity cannot be planned this way" in err and "model(input_ids=..., labels=...)" in err
+    assert err.count("\n") == 1
 
 
 def _tiny_llama_profile(seq: int = 128, precision: str = "fp32"):

@@ -200,12 +200,16 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     set_path(raw, key, value)
 
 
+def _overridden_keys(overrides: Sequence[str]) -> set[str]:
+    return {o.partition("=")[0].strip() for o in overrides if isinstance(o, str)}
+
+
 def _switch_method(raw: dict[str, Any], overrides: Sequence[str]) -> None:
     """``--set method.type=prefix`` on a LoRA recipe: the recipe's options of the method it leaves (r, alpha, ...)
     go with it. Options the overrides themselves give are kept, so one that does not fit the new method is
     still refused by name."""
     method = raw.get("method")
-    overridden = {o.partition("=")[0].strip() for o in overrides if isinstance(o, str)}
+    overridden = _overridden_keys(overrides)
     if "method.type" not in overridden or not isinstance(method, dict) or not isinstance(method.get("type"), str):
         return
     if method["type"] not in METHODS:
@@ -223,7 +227,7 @@ def _switch_data_source(raw: dict[str, Any], overrides: Sequence[str]) -> None:
     """``--set data.train_files=[chat.jsonl]`` on a recipe with bundled data: the recipe's own source gives way
     to the one the overrides name (two sources both given by overrides are still refused)."""
     data = raw.get("data")
-    overridden = {o.partition("=")[0].strip() for o in overrides if isinstance(o, str)}
+    overridden = _overridden_keys(overrides)
     chosen = [key for key in DATA_SOURCES if f"data.{key}" in overridden]
     if not chosen or not isinstance(data, dict):
         return

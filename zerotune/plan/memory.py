@@ -17,7 +17,7 @@ import torch
 from zerotune.config import load_config, resolve_config
 from zerotune.config.errors import ConfigError
 from zerotune.plan.activations import ActivationProfile, trace_activations
-from zerotune.plan.meta_model import parameter_counts
+from zerotune.plan.meta_model import PlanModelError, parameter_counts
 from zerotune.plan.pipeline import StageShare, in_flight, stage_activations, stage_shares
 from zerotune.plan.states import zerotune_model_states
 
@@ -131,8 +131,18 @@ def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: st
     trace), split over ``tp`` tensor-parallel ranks as zerotune would split it, and its ``pp`` pipeline
     stages' shares."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
-    shares = tuple(stage_shares(model, pp)) if pp > 1 else ()
-    per_example = trace_activations(model, 1, seq_len, dtype=dtype, task=task, tp=tp)
+    config = getattr(model, "config", None)
+    limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise PlanModelError(f"--seq-len {seq_len}: {type(model).__name__} takes at most {limit} positions "
+                             "(its config's max_position_embeddings); plan a shorter sequence")
+    try:
+        shares = tuple(stage_shares(model, pp)) if pp > 1 else ()
+        per_example = trace_activations(model, 1, seq_len, dtype=dtype, task=task, tp=tp)
+    except (TypeError, ValueError) as error:  # the layout does not fit the model (no TP plan, no pipeline layers,
+        # a factory model whose forward takes no input_ids / labels): say so in one line
+        raise PlanModelError(f"{type(model).__name__} cannot be planned this way: {str(error).splitlines()[0]} "
+                             "(the trace calls model(input_ids=..., labels=...))") from None
     trainable, frozen = parameter_counts(model)  # after the trace: this rank's shards (ties kept)
     return ModelProfile(trainable, frozen, largest_unit_params(model), per_example, seq_len,
                         2 if precision in ("bf16", "fp16") else 4, shares)
