@@ -65,9 +65,11 @@ def _extra_step(tmp: str, stage: int) -> dict:
     return _outcome(run)
 
 
-def _save_on_one_rank(tmp: str) -> dict:
-    """`if rank == 0: engine.save_checkpoint(...)` -- DeepSpeed hangs; every rank must call it."""
+def _save_on_one_rank(tmp: str, interval: int = 1) -> dict:
+    """`if rank == 0: engine.save_checkpoint(...)` -- DeepSpeed hangs; every rank must call it. ``interval``:
+    micro-steps per guard exchange (more than one where exchanges cost over 1% of the time)."""
     engine = _engine(stage=0)
+    GUARD.interval = interval
 
     def run() -> None:
         for index in range(4):
@@ -93,6 +95,7 @@ def _different_collectives_of_one_size() -> dict:
 
 
 @pytest.mark.parametrize("fault", ["skipped micro-step", "extra step", "save_checkpoint on one rank",
+                                   "save_checkpoint on one rank, one exchange per 2 micro-steps",
                                    "different collectives of one size"])
 def test_diverging_ranks_all_raise_collective_mismatch_naming_each_ranks_phase(fault: str, tmp_path) -> None:
     if fault == "skipped micro-step":
@@ -103,8 +106,8 @@ def test_diverging_ranks_all_raise_collective_mismatch_naming_each_ranks_phase(f
         results = run_distributed(_extra_step, 2, str(tmp_path), 2)
         expected = ["rank 0 is about to run save_checkpoint (step 3, micro-step 3)",
                     "rank 1 is about to run backward (step 3, micro-step 3)"]
-    elif fault == "save_checkpoint on one rank":
-        results = run_distributed(_save_on_one_rank, 2, str(tmp_path))
+    elif fault.startswith("save_checkpoint on one rank"):
+        results = run_distributed(_save_on_one_rank, 2, str(tmp_path), 2 if "2 micro-steps" in fault else 1)
         expected = ["rank 0 is about to run save_checkpoint (step 2, micro-step 2)",
                     "rank 1 is about to run backward (step 2, micro-step 2)"]
     else:
@@ -192,3 +195,33 @@ def test_the_verdict_depends_only_on_the_exchanged_rows() -> None:
     per_machine = [{"zero_optimization": {"offload_param": {"nvme_path": f"/local/{rank}"}}, "comm_timeout_s": rank,
                     "tensorboard": {"output_path": f"/logs/{rank}"}} for rank in range(2)]
     assert setup_differences(per_machine) == []  # swap and log paths, timeouts: each machine its own
+
+
+def test_micro_steps_per_exchange_double_while_the_exchanges_cost_over_1_percent_and_halve_back() -> None:
+    """Every rank decides at the same exchange from the same rows (each rank's cost share is in its row), so the
+    ranks keep exchanging at the same micro-steps."""
+    from zerotune.distributed.guard import COST, WINDOW
+
+    guard = CollectiveGuard()
+
+    def window(cost_ppm: list[int]) -> list[int]:
+        rows = torch.stack([guard.vector("backward", 1, 2)] * len(cost_ppm))
+        rows[:, COST] = torch.tensor(cost_ppm)
+        assert CollectiveGuard.disagreements(rows) == []  # the cost column differs by rank and is not compared
+        seen = []
+        for _ in range(WINDOW):
+            guard.adapt(rows)
+            seen.append(guard.interval)
+        return seen
+
+    assert window([3000, 9000]) == [1] * WINDOW  # 0.9% on the costlier rank: within the 1% budget
+    assert window([3000, 15000]) == [1] * (WINDOW - 1) + [2]  # 1.5%: decided at the window's last exchange
+    assert window([20000, 100]) == [2] * (WINDOW - 1) + [4]
+    assert window([5000, 100]) == [4] * WINDOW  # 0.5%: keeps the interval
+    assert window([2000, 1000]) == [4] * (WINDOW - 1) + [2]  # under a quarter of the budget: halves
+    for _ in range(8):
+        window([0, 0])
+    assert guard.interval == 1
+    for _ in range(10):
+        window([10**6, 0])
+    assert guard.interval == 64  # at most

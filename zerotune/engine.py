@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from zerotune.distributed import comm
+from zerotune.distributed.guard import GUARD
 from zerotune.engine_core import EngineCore, check_batch_not_empty, loss_from_output, map_tensors
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
 
@@ -106,10 +107,12 @@ class Engine(EngineCore):
     def _guard_point(self, phase: str) -> None:
         """The micro-step's first phase that communicates meets the other ranks at a collective-guard point;
         its later phases follow from it (a divergence between them is caught by the stalled ranks' notes,
-        ``guard_stall.py``). One point per micro-step keeps the guard's cost under 1% of a step."""
+        ``guard_stall.py``). One point per micro-step, or per few where the exchanges cost more
+        than 1% of the time (``CollectiveGuard.adapt``)."""
         if self._guarded_at != self._step_calls:
             self._guarded_at = self._step_calls
-            comm.guard_point(phase, self.global_steps, self.micro_steps)
+            if self._step_calls % GUARD.interval == 0:  # (the same on every rank: ``CollectiveGuard.adapt``)
+                comm.guard_point(phase, self.global_steps, self.micro_steps)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether this micro-step ends an optimizer step: every GAS-th one, unless the script said

@@ -1,9 +1,11 @@
 """A small data-parallel training run that injects one fault on one rank (for tests/test_faults.py).
 
-    python train.py --fault sigstop|sigkill|raise|extra-collective|none --rank-at-fault 1 --at-step 2 \
-        --comm-timeout 10 --marker DIR
+    python train.py --fault sigstop|sigkill|raise|extra-collective|save-on-one-rank|none --rank-at-fault 1 \
+        --at-step 2 --comm-timeout 10 --guard-interval 1 --marker DIR
 
-(``extra-collective``: the faulty rank all-reduces a tensor of its own the others never all-reduce.)
+(``extra-collective``: the faulty rank all-reduces a tensor of its own the others never all-reduce;
+``save-on-one-rank``: it saves a checkpoint the others do not save. ``--guard-interval``: micro-steps per
+collective-guard exchange, as the guard sets it where exchanges cost over 1% of the time.)
 
 Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Before its fault, the faulty rank writes
 ``DIR/fault_time`` (the wall-clock time), so the test can measure how long the others take to end.
@@ -24,11 +26,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zerotune  # noqa: E402
 from tests.models import make_mlp, mlp_batch  # noqa: E402
+from zerotune.distributed.guard import GUARD  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=["sigstop", "sigkill", "raise", "extra-collective", "none"], default="none")
+    parser.add_argument("--fault", choices=["sigstop", "sigkill", "raise", "extra-collective", "save-on-one-rank", "none"],
+                        default="none")
+    parser.add_argument("--guard-interval", type=int, default=1)
     parser.add_argument("--rank-at-fault", type=int, default=1)
     parser.add_argument("--at-step", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
@@ -40,6 +45,7 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "comm_timeout_s": args.comm_timeout,
               "zero_optimization": {"stage": args.stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
+    GUARD.interval = args.guard_interval
     for step in range(args.steps):
         if step == args.at_step and engine.global_rank == args.rank_at_fault and args.fault != "none":
             Path(args.marker, "fault_time").write_text(repr(time.time()))
@@ -49,6 +55,8 @@ def main() -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             elif args.fault == "extra-collective":
                 zerotune.comm.all_reduce(torch.ones(3))
+            elif args.fault == "save-on-one-rank":
+                engine.save_checkpoint(str(Path(args.marker, "checkpoint")))
             else:
                 raise RuntimeError(f"injected failure on rank {engine.global_rank} at step {step}")
         batch = mlp_batch(step, engine.global_rank, 2)

@@ -297,11 +297,13 @@ def guard_point(phase: str, step: int, micro_step: int) -> None:
     row = GUARD.vector(phase, step, micro_step)
     rows = torch.empty(dist.get_world_size(group) * row.numel(), dtype=row.dtype)
     try:
-        work = _all_gather_single(rows, row, group=group, async_op=True)
+        work = (GUARD.backend._allgather_base(rows, row) if GUARD.backend is not None
+                else _all_gather_single(rows, row, group=group, async_op=True))
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure(f"collective guard exchange before {phase}", group, error) from error
-    GUARD.pending = PendingExchange(work, rows, phase, step, micro_step)
-    GUARD.seconds += time.perf_counter() - started
+    launch_s = time.perf_counter() - started
+    GUARD.pending = PendingExchange(work, rows, phase, step, micro_step, started, launch_s)
+    GUARD.seconds += launch_s
 
 
 def settle_guard() -> None:
@@ -323,9 +325,13 @@ def settle_guard() -> None:
                                        group=group)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure(f"collective guard exchange before {phase}", group, error) from error
-    GUARD.seconds += time.perf_counter() - started
+    ended = time.perf_counter()
+    GUARD.seconds += ended - started
+    if GUARD.timings is not None:
+        GUARD.timings.append((pending.arrived, pending.launch_s, started, ended))
     if problems:
         raise CollectiveMismatch(mismatch_message(described, problems))
+    GUARD.adapt(pending.rows.view(world, -1))
 
 
 def check_same_setup(config: dict, model_signature: list[str], model_peers: tuple[int, ...]) -> None:

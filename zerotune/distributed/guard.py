@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import sys
+import time
 import zlib
 from datetime import timedelta
 from collections import deque
@@ -40,8 +41,14 @@ import torch.distributed as dist
 SLOTS = 16
 """Groups compared per rank (a rank belongs to at most a handful: mesh axes, world, pipeline neighbours);
 groups beyond this many, in key order, are not compared."""
-HEADER = 4  # phase id, step, micro-step, slots used
+HEADER = 5  # phase id, step, micro-step, slots used, the rank's guard cost (not compared: it differs by rank)
+COST = 4  # the header column with the rank's guard cost, parts per million of its time since the last decision
 RECENT = 6  # collectives remembered per group, for the error message
+BUDGET = 0.01
+"""The share of a rank's time the guard may take: above it, micro-steps between exchanges double."""
+WINDOW = 16
+"""Exchanges between two decisions on the interval (every rank decides at the same exchange, from its rows)."""
+MAX_INTERVAL = 64
 
 
 class CollectiveMismatch(RuntimeError):
@@ -73,6 +80,8 @@ class PendingExchange:
     phase: str
     step: int
     micro_step: int
+    arrived: float = 0.0  # perf_counter when this rank reached the point
+    launch_s: float = 0.0  # the training thread's time launching the exchange
 
 
 class CollectiveGuard:
@@ -80,12 +89,19 @@ class CollectiveGuard:
 
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
+        self.backend: Any = None  # the group's gloo backend, when it can be called directly (``_direct_backend``)
         self.store: dist.Store | None = None  # where stalled ranks compare notes (guard_stall.py)
         self.rank = 0
         self._generation = 0
         self.points = 0  # guard points passed (benchmarks: exchanges per step)
         self.seconds = 0.0  # time the training thread spent launching and waiting for exchanges (benchmarks)
         self.pending: PendingExchange | None = None
+        self._paused: tuple[dist.ProcessGroup, float] | None = None
+        self.interval = 1  # micro-steps per exchange at the engine's per-micro-step point (``adapt``)
+        self._window = (0.0, 0.0, 0)  # (perf_counter, guard seconds, exchanges) when the current window began
+        self.timings: list[tuple[float, float, float, float]] | None = None
+        """Benchmarks set a list: per settled point (arrived, launch seconds, wait start, wait end), perf_counter
+        times, which is one clock for every process of a machine."""
         self._logs: dict[str, GroupLog] = {}
         self._names: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, log name)
         self._release_registered = False
@@ -102,6 +118,7 @@ class CollectiveGuard:
             self.stop()
             return
         self.group = dist.new_group(backend="gloo")  # its own: a guard exchange never pairs with data
+        self.backend = _direct_backend(self.group)
         if not self._release_registered:
             atexit.register(self.release_at_exit)
             self._release_registered = True
@@ -109,11 +126,26 @@ class CollectiveGuard:
         self.store = None if store is None else dist.PrefixStore(f"zerotune/guard/{self._generation}", store)
         self.rank = rank
         self.pending = None
+        self.interval = 1
+        self._window = (time.perf_counter(), self.seconds, 0)
         self._logs.clear()
         self._names.clear()
         for group in [dist.group.WORLD, *groups]:
             if group is not None:
                 self._log(group, None)
+
+    def pause(self) -> None:
+        """Stop recording and exchanging, on every rank alike (benchmarks: the same engine with and without)."""
+        if self.group is not None:
+            self._paused = (self.group, time.perf_counter())
+            self.group = None
+
+    def resume(self) -> None:
+        """Undo ``pause``; the paused time does not count in the guard's cost share."""
+        if self._paused is not None:
+            (self.group, paused_at), self._paused = self._paused, None
+            started, seconds, exchanges = self._window
+            self._window = (started + time.perf_counter() - paused_at, seconds, exchanges)
 
     def release_at_exit(self) -> None:
         """At interpreter exit: let the last exchange (launched at the run's final guard point, with no later
@@ -129,6 +161,8 @@ class CollectiveGuard:
 
     def stop(self) -> None:
         self.group = None
+        self._paused = None
+        self.backend = None
         self.store = None
         self.pending = None
         self._logs.clear()
@@ -169,14 +203,39 @@ class CollectiveGuard:
     def vector(self, phase: str, step: int, micro_step: int) -> torch.Tensor:
         """This rank's row: phase, counters, and (group id, count, CRC) per group in name order."""
         logs = [self._logs[name] for name in sorted(self._logs)][:SLOTS]
-        values = [_key_id(phase), step, micro_step, len(logs)]
+        values = [_key_id(phase), step, micro_step, len(logs), self._cost_ppm()]
         for log in logs:
             values += (_key_id(log.name), log.count, log.crc)
         return torch.tensor(values + [0] * (HEADER + 3 * SLOTS - len(values)), dtype=torch.int64)
 
+    def _cost_ppm(self) -> int:
+        """This rank's time in guard exchanges since the window began, in parts per million of the time since."""
+        started, seconds, _ = self._window
+        elapsed = time.perf_counter() - started
+        return int(1e6 * (self.seconds - seconds) / elapsed) if elapsed > 0 else 0
+
+    def adapt(self, rows: torch.Tensor) -> None:
+        """After an agreed exchange: every ``WINDOW``-th one, each rank's guard cost is in the rows, and every
+        rank sets the same interval from them -- doubled while the costliest rank spends more than ``BUDGET`` of
+        its time in exchanges, halved (down to one) when it spends under a quarter of it. A divergence between
+        exchanges is still caught: at the next exchange (the counters differ) or by the stalled ranks' notes."""
+        started, seconds, exchanges = self._window
+        if exchanges + 1 < WINDOW:
+            self._window = (started, seconds, exchanges + 1)
+            return
+        share = int(rows[:, COST].max()) / 1e6
+        if share > BUDGET:
+            self.interval = min(2 * self.interval, MAX_INTERVAL)
+        elif share < BUDGET / 4:
+            self.interval = max(1, self.interval // 2)
+        self._window = (time.perf_counter(), self.seconds, 0)
+
     @staticmethod
     def disagreements(rows: torch.Tensor) -> list[str]:
-        """What the ranks' rows disagree on; every rank computes the same list from the same rows."""
+        """What the ranks' rows disagree on (all but their cost column); every rank computes the same list from
+        the same rows."""
+        rows = rows.clone()
+        rows[:, COST] = 0
         if torch.equal(rows, rows[:1].expand_as(rows)):  # the usual verdict, cheaply
             return []
         problems = []
@@ -199,6 +258,17 @@ class CollectiveGuard:
         """Each group's (count, running CRC, recent [(index, CRC after, description)], member ranks)."""
         return {log.name: (log.count, log.crc, [list(entry) for entry in list(log.recent)], list(log.ranks))
                 for log in list(self._logs.values())}
+
+
+def _direct_backend(group: dist.ProcessGroup) -> Any:
+    """The guard group's gloo backend if it has ``_allgather_base``: an exchange launched there costs ~10 us of
+    the training thread, through ``torch.distributed``'s wrappers ~150 us (this machine) -- at one exchange per
+    micro-step, a tenth of a percent of a step. None where torch does not expose it (then the public call)."""
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (AttributeError, RuntimeError):
+        return None
+    return backend if callable(getattr(backend, "_allgather_base", None)) else None
 
 
 def mismatch_message(described: list[dict], problems: list[str]) -> str:
