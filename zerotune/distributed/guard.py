@@ -224,11 +224,17 @@ class CollectiveGuard:
             self._window = (started, seconds, exchanges + 1)
             return
         share = int(rows[:, COST].max()) / 1e6
+        before = self.interval
         if share > BUDGET:
             self.interval = min(2 * self.interval, MAX_INTERVAL)
         elif share < BUDGET / 4:
             self.interval = max(1, self.interval // 2)
         self._window = (time.perf_counter(), self.seconds, 0)
+        if self.interval != before and self.rank == 0:
+            from zerotune.monitor.logging import get_logger
+
+            get_logger().info("collective guard: exchanges took %.2f%% of the time; now one per %d micro-step(s)",
+                              100 * share, self.interval)
 
     @staticmethod
     def disagreements(rows: torch.Tensor) -> list[str]:
