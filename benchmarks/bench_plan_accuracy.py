@@ -103,13 +103,14 @@ def measure(case: Case) -> int:
         if case.checkpointing:
             apply_activation_checkpointing(model)
         engine, *_ = zerotune.initialize(model=model, config=case.config())
-        for _ in range(2):
+        for _ in range(2):  # two optimizer steps (the first allocates the optimizer state)
             if case.pp > 1:
                 engine.train_batch(iter([{"input_ids": ids, "labels": ids}] * case.gas))
                 continue
-            loss = engine(input_ids=ids, labels=ids).loss
-            engine.backward(loss)
-            engine.step()
+            for _ in range(case.gas):
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
     engine.destroy()
     return probe.peak
 

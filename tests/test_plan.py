@@ -188,7 +188,9 @@ def test_a_larger_budget_never_picks_a_layout_with_more_communication() -> None:
             assert choice.best.comm_bytes <= previous.comm_bytes + 1, (mib, choice.explain(), previous.describe())
         previous = choice.best
         chosen.append(choice.best.layout.stage)
-    assert chosen[0] == 3 and chosen[-1] in (1, 2) and len(set(chosen)) >= 2, chosen  # the budget matters
+    # the budget matters: ZeRO 3 when memory is tight; with room, a stage whose gradient reduction hides under the
+    # backward (stage 0 is DDP's all-reduce)
+    assert chosen[0] == 3 and chosen[-1] in (0, 1, 2) and len(set(chosen)) >= 2, chosen
 
 
 def _train_chosen(stage: int, offload: str, micro: int, checkpointing: bool) -> int:
@@ -215,6 +217,112 @@ def test_the_auto_layout_fits_its_budget_when_it_runs(budget_mib) -> None:
     measured = run_distributed(_train_chosen, 2, best.layout.stage, best.layout.offload_optimizer,
                                best.layout.micro_batch, best.checkpointing, timeout=300)[0]
     print(f"{budget_mib} MiB: {choice.explain()}\n  measured peak {measured / 2**20:.1f} MiB")
+    assert measured <= budget_mib * 2**20, (measured / 2**20, choice.explain())
+
+
+def _tiny_llama_splits(world: int, ranks_per_node: int):
+    from benchmarks.bench_plan_accuracy import llama
+    from zerotune.plan.splits import split_profiles
+
+    def build() -> torch.nn.Module:
+        with torch.device("meta"):
+            return llama(256, 4)
+    return split_profiles(build, 128, "fp32", "causal-lm", world, ranks_per_node)
+
+
+def test_the_auto_layout_weighs_tensor_and_pipeline_splits_the_model_allows() -> None:
+    profiles, left_out = _tiny_llama_splits(8, 8)
+    assert sorted(profiles) == [(1, 1), (1, 2), (1, 4), (2, 1), (4, 1)]
+    assert any(reason.startswith("pipeline stages 8: 8 pipeline stages but only 6 layer(s)") for reason in left_out)
+    assert any(reason.startswith("tensor parallel 8:") for reason in left_out), left_out  # 4 heads
+    assert profiles[(2, 1)].trainable < 0.6 * profiles[(1, 1)].trainable  # one rank's shard
+    assert [len(profiles[(1, pp)].stages) for pp in (2, 4)] == [2, 4]
+    two_nodes, _ = _tiny_llama_splits(8, 4)
+    assert (4, 1) in two_nodes and (8, 1) not in two_nodes  # tensor parallelism stays inside a node
+
+
+def test_the_cost_model_charges_tensor_parallel_all_reduces_and_the_pipeline_bubble() -> None:
+    import dataclasses
+
+    from zerotune.plan.auto import Hardware, step_seconds
+    from zerotune.plan.memory import Layout
+
+    profiles, _ = _tiny_llama_splits(2, 2)
+    hardware = Hardware(device_memory=2**30, flops=50e9, bandwidth=5e9, intra_node_bandwidth=10e9)
+    tp = profiles[(2, 1)]
+    layout = Layout(stage=0, dp=1, tp=2, precision="fp32", micro_batch=2, gas=4)
+    seconds, sent, communicating = step_seconds(layout, tp, 4, False, hardware)
+    block_input = 2 * tp.per_example.block_inputs[0]  # micro-batch 2: (2, 128, 256) fp32
+    assert block_input == 2 * 128 * 256 * 4
+    assert sent == 4 * 4 * 4 * block_input  # 4 micro-steps x 4 blocks x 4 all-reduces (2 forward, 2 backward)
+    assert communicating == pytest.approx(sent / 10e9)  # over the node's links; dp 1: no gradient traffic
+    assert step_seconds(layout, tp, 4, True, hardware)[1] == 1.5 * sent  # the recomputed forward all-reduces too
+    unsplit = profiles[(1, 1)]
+    half = dataclasses.replace(unsplit, trainable=unsplit.trainable // 2)
+    piped = Layout(stage=0, dp=1, pp=2, precision="fp32", micro_batch=2, gas=4)
+    one_stage = Layout(stage=0, dp=1, precision="fp32", micro_batch=2, gas=4)
+    bubble = step_seconds(piped, half, 4, False, hardware)
+    flat = step_seconds(one_stage, half, 4, False, hardware)
+    assert bubble[0] - bubble[2] == pytest.approx(5 / 4 * (flat[0] - flat[2]))  # 4 + 2 - 1 micro-batch slots
+    assert bubble[1] == 4 * 2 * block_input  # each micro-batch's activations out, their gradients back
+
+
+def test_across_splits_a_larger_budget_never_picks_a_slower_layout_and_the_budget_decides_the_split() -> None:
+    """Over splits (tensor-parallel size, pipeline stages) the chooser trades communication for time, so the
+    data-parallel property of test_a_larger_budget_never_picks_a_layout_with_more_communication is not a law
+    here: a pipeline that fits a tight budget has a bubble but sends little, and with more room ZeRO-3 without
+    the bubble is faster though it sends more (140 -> 160 MiB below); within the pipeline split, ZeRO-1 with the
+    optimizer on the host gives way to ZeRO-2, whose extra gradient traffic hides under the backward
+    (160 -> 180 MiB). What holds is time: more room never gives a slower layout."""
+    from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout
+    from zerotune.plan.memory import Layout
+
+    base = Layout(stage=0, dp=4, precision="fp32", micro_batch=4, reduce_bucket=2**18, allgather_bucket=2**18,
+                  prefetch_bucket=2**18)
+    for ranks_per_node in (4, 1):  # tensor parallelism allowed, then not (one rank per node)
+        profiles, _ = _tiny_llama_splits(4, ranks_per_node)
+        previous, splits_chosen = None, []
+        for mib in range(100, 1000, 20):
+            hardware = Hardware(device_memory=mib * 2**20, bandwidth=5e9, intra_node_bandwidth=20e9, flops=50e9,
+                                ranks_per_node=ranks_per_node)
+            try:
+                best = choose_layout(profiles, base, 4, 16, hardware).best
+            except NoLayoutFits:
+                continue
+            assert best.device_bytes <= 0.9 * mib * 2**20
+            assert previous is None or best.seconds <= previous.seconds, (mib, best.describe(), previous.describe())
+            previous = best
+            splits_chosen.append((best.layout.tp, best.layout.pp))
+        assert splits_chosen[0] != (1, 1) and splits_chosen[-1] == (1, 1), splits_chosen  # the budget decides
+
+
+def _train_chosen_split(stage: int, tp: int, pp: int, micro: int, gas: int, checkpointing: bool) -> int:
+    from benchmarks.bench_plan_accuracy import Case, measure
+
+    return measure(Case("chosen", "llama", 256, 4, stage, "fp32", checkpointing=checkpointing, micro=micro,
+                        bucket=2**18, tp=tp, pp=pp, gas=gas))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("budget_mib, ranks_per_node", [(250, 1), (260, 2)])
+def test_a_model_parallel_auto_layout_fits_its_budget_when_it_runs(budget_mib, ranks_per_node) -> None:
+    """Two ranks, the tiny Llama at 128 tokens, 16 examples per step: budgets no data-parallel layout fits in.
+    With one rank per node (no tensor parallelism across nodes) the plan cuts the model into 2 pipeline stages,
+    with both on a node it splits it over 2 tensor-parallel ranks; the measured peak stays within the budget."""
+    from zerotune.plan.auto import Hardware, choose_layout
+    from zerotune.plan.memory import Layout
+
+    profiles, _ = _tiny_llama_splits(2, ranks_per_node)
+    choice = choose_layout(profiles, Layout(stage=0, dp=2, precision="fp32", micro_batch=8, reduce_bucket=2**18,
+                                            allgather_bucket=2**18, prefetch_bucket=2**18), 2, 16,
+                           Hardware(device_memory=budget_mib * 2**20, bandwidth=5e9, flops=50e9,
+                                    ranks_per_node=ranks_per_node), vary_offload=False)
+    layout = choice.best.layout
+    assert (layout.tp, layout.pp) == ((1, 2) if ranks_per_node == 1 else (2, 1)), choice.explain()
+    measured = run_distributed(_train_chosen_split, 2, layout.stage, layout.tp, layout.pp, layout.micro_batch,
+                               layout.gas, choice.best.checkpointing, timeout=300)[0]
+    print(f"{budget_mib} MiB, {ranks_per_node} rank(s) per node: {choice.explain()}\n  measured peak "
+          f"{measured / 2**20:.1f} MiB")
     assert measured <= budget_mib * 2**20, (measured / 2**20, choice.explain())
 
 
@@ -261,8 +369,6 @@ def test_a_tensor_parallel_plan_splits_the_model_as_autotp_does(capsys, tmp_path
     out = capsys.readouterr().out
     assert "3,369,340,928 parameters" in out and "(dp 4 x tp 2 x pp 1)" in out
     assert not torch.distributed.is_initialized()
-    assert main(["plan", str(config), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8", "--auto"]) == 2
-    assert "--auto: the auto layout searches data-parallel layouts" in capsys.readouterr().err
 
 
 def test_a_pipeline_plan_takes_the_fullest_stage_with_its_micro_batches_in_flight(capsys, tmp_path) -> None:

@@ -48,11 +48,14 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="plan this ZeRO stage instead of the config's zero_optimization.stage")
     parser.add_argument("--auto", action="store_true",
-                        help="choose the stage, offload, activation checkpointing and micro-batch (also when the "
-                             "config says \"stage\": \"auto\"): the fastest layout that fits, by the cost model")
+                        help="choose the tensor-parallel size or pipeline stages, the ZeRO stage, offload, activation "
+                             "checkpointing and micro-batch for the config's global batch (also when the config says "
+                             "\"stage\": \"auto\"): the fastest layout that fits, by the cost model")
     parser.add_argument("--flops", default="400e12", help="dense 16-bit flop/s of one device, for --auto (default 400e12)")
     parser.add_argument("--bandwidth", default="50GB", help="collective bandwidth per rank per second, for --auto "
                                                            "(default 50GB)")
+    parser.add_argument("--intra-node-bandwidth", default="300GB", help="bytes per second between the ranks of a "
+                        "node, for tensor parallelism in --auto (default 300GB)")
     parser.add_argument("--host-bandwidth", default="25GB", help="device <-> host bytes per second, for --auto "
                                                                  "(default 25GB)")
     parser.set_defaults(func=run_plan)
@@ -68,12 +71,29 @@ def _number(text: str, option: str) -> float:
     return value
 
 
+def _config_keys(best: Any) -> str:
+    """The chosen layout as the config keys that say it."""
+    layout = best.layout
+    keys = [f'"zero_optimization": {{"stage": {layout.stage}'
+            + (f', "offload_optimizer": {{"device": "{layout.offload_optimizer}"}}' if layout.offload_optimizer != "none" else "")
+            + (f', "offload_param": {{"device": "{layout.offload_param}"}}' if layout.offload_param != "none" else "")
+            + "}", f'"train_micro_batch_size_per_gpu": {layout.micro_batch}',
+            f'"gradient_accumulation_steps": {layout.gas}']
+    if layout.tp > 1:
+        keys.append(f'"tensor_parallel": {{"autotp_size": {layout.tp}}}')
+    if layout.pp > 1:
+        keys.append(f'"pipeline": {{"stages": {layout.pp}}}')
+    return ", ".join(keys) + ("; and checkpoint every block (zerotune.checkpointing.apply_activation_checkpointing(model)"
+                              " or model.gradient_checkpointing_enable())" if best.checkpointing else "")
+
+
 def _gib(value: int) -> str:
     return f"{value / 2**30:,.2f} GiB"
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from zerotune.plan.auto import Hardware, NoLayoutFits, choose, step_seconds
+    from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout, step_seconds
+    from zerotune.plan.splits import split_profiles
     from zerotune.plan.memory import asks_for_auto_stage, layout_from_config, plan_from_profile, profile_model
     from zerotune.plan.meta_model import PlanModelError, meta_model
 
@@ -90,20 +110,25 @@ def run_plan(args: argparse.Namespace) -> int:
         auto = args.auto or (asks_for_auto_stage(args.config) and args.zero_stage is None)
         hardware = Hardware(device_memory=device, flops=_number(args.flops, "--flops"),
                             bandwidth=parse_size(args.bandwidth, "--bandwidth"),
+                            intra_node_bandwidth=parse_size(args.intra_node_bandwidth, "--intra-node-bandwidth"),
                             host_bandwidth=parse_size(args.host_bandwidth, "--host-bandwidth"), host_memory=host,
                             ranks_per_node=args.world_size // args.nodes)
         model = meta_model(args.model, task=args.task)
         model_name = type(model).__name__
-        profile = profile_model(model, args.seq_len, layout.precision, args.task, layout.tp, layout.pp)
         checkpointing_chosen = None
-        if auto and (layout.tp > 1 or layout.pp > 1):
-            raise ConfigError("--auto", "the auto layout searches data-parallel layouts (ZeRO stage, offload, "
-                                        "checkpointing, micro-batch) so far; set tensor_parallel.autotp_size and "
-                                        "pipeline.stages to 1 or plan this layout without --auto")
         if auto:
-            choice = choose(profile, layout, layout.micro_batch * layout.gas, hardware)
+            profiles, left_out = split_profiles(lambda: meta_model(args.model, task=args.task), args.seq_len,
+                                                layout.precision, args.task, args.world_size, hardware.ranks_per_node)
+            choice = choose_layout(profiles, layout, args.world_size, layout.micro_batch * layout.gas * layout.dp,
+                                   hardware)
             print(choice.explain())
+            for reason in left_out:
+                print(f"  not weighed: {reason}")
             layout, checkpointing_chosen = choice.best.layout, choice.best.checkpointing
+            profile = profiles[(layout.tp, layout.pp)]
+            print(f"  in the config: {_config_keys(choice.best)}")
+        else:
+            profile = profile_model(model, args.seq_len, layout.precision, args.task, layout.tp, layout.pp)
     except (ConfigError, PlanModelError, NoLayoutFits) as error:
         print(f"zerotune plan: {error}", file=sys.stderr)
         return 2
@@ -131,12 +156,13 @@ def run_plan(args: argparse.Namespace) -> int:
         fits = fits and per_node <= host
     if plan.total("nvme"):
         print(f"  NVMe space per node: {_gib(plan.total('nvme') * (args.world_size // args.nodes))}")
-    held = dataclasses.replace(profile, trainable=plan.trainable, frozen=plan.frozen)  # a pipeline stage's share
+    held = dataclasses.replace(profile, trainable=plan.trainable, frozen=plan.frozen,
+                               lookup=plan.lookup)  # a pipeline stage's share
     for checkpointing in (False, True) if checkpointing_chosen is None else (checkpointing_chosen,):
-        seconds, comm = step_seconds(layout, held, layout.gas, checkpointing, hardware)
+        seconds, comm, _ = step_seconds(layout, held, layout.gas, checkpointing, hardware)
         print(f"  modeled step time {'with' if checkpointing else 'without'} activation checkpointing: "
               f"{seconds * 1e3:.1f} ms ({comm / 2**30:.2f} GiB communicated per rank; --flops {hardware.flops:.3g}, "
-              f"--bandwidth {hardware.bandwidth / 1e9:g} GB/s, no overlap credited"
-              + ("; model-parallel activation traffic and pipeline bubbles not modeled yet)"
-                 if layout.tp > 1 or layout.pp > 1 else ")"))
+              f"--bandwidth {hardware.bandwidth / 1e9:g} GB/s"
+              + (f", --intra-node-bandwidth {hardware.intra_node_bandwidth / 1e9:g} GB/s" if layout.tp > 1 else "")
+              + "; gradient reduction hidden under the backward where it fits)")
     return 0 if fits else 1

@@ -1,17 +1,26 @@
 """``"zero_optimization": {"stage": "auto"}`` and ``zerotune plan --auto``: the fastest layout that fits.
 
-Candidates: ZeRO stage 0-3, optimizer offload to the host (and, at stage 3, parameter offload), activation
-checkpointing on or off, and every micro-batch that divides the per-rank batch (the rest is gradient
-accumulation). Each candidate's per-rank memory comes from ``memory.plan_from_profile``; its step time from
-a cost model:
+Candidates: tensor-parallel size or pipeline stages (``splits.py``; ``zerotune plan --auto`` only), ZeRO
+stage 0-3, optimizer offload to the host (and, at stage 3, parameter offload), activation checkpointing on
+or off, and every micro-batch that divides each data-parallel replica's share of the global batch (the rest
+is gradient accumulation). Each candidate's per-rank memory comes from ``memory.plan_from_profile``; its
+step time from a cost model:
 
-* compute: 6 flops per parameter per token (forward + backward), 8 with activation checkpointing (the
-  forward runs again), over the device's flops;
-* communication per rank, ring collectives moving (N - 1) / N of the buffer: stage 0 all-reduces the fp32
-  gradients once per step (2 x 4 bytes per trainable parameter); stage 1 reduce-scatters and all-gathers
-  once per step (2 x width); stage 2 reduces every micro-step and all-gathers once; stage 3 gathers the
-  parameters twice and reduce-scatters the gradients every micro-step -- over the given (or measured)
-  bandwidth, with no credit for overlap;
+* compute: 6 flops per parameter the rank holds per token (forward + backward; an input embedding that is
+  only looked up, none), 8 with activation
+  checkpointing (the forward runs again), over the device's flops; with ``p`` pipeline stages the fullest
+  stage's compute, stretched by the 1F1B bubble to (accumulation + p - 1) micro-batches;
+* data-parallel communication per rank, ring collectives moving (N - 1) / N of the buffer: stage 0
+  all-reduces the fp32 gradients once per step (2 x 4 bytes per trainable parameter); stage 1
+  reduce-scatters and all-gathers once per step (2 x width); stage 2 reduces every micro-step and
+  all-gathers once; stage 3 gathers the parameters twice and reduce-scatters the gradients every
+  micro-step -- over the given bandwidth; the gradient buckets zerotune reduces while the backward runs
+  cost only what exceeds that backward's compute;
+* tensor parallelism: every block all-reduces its output twice in the forward and twice in the backward
+  (three times each way with checkpointing: the forward runs again), each all-reduce moving 2 (t - 1) / t of
+  one block input (the traced bytes), over the node's links (``intra_node_bandwidth``);
+* pipeline: each micro-batch's activations go to the next stage and their gradients come back (one block
+  input each way), over the given bandwidth (tensor-parallel and pipeline traffic is on the critical path);
 * offload: gradients to the host and parameters back every step (every micro-step for offloaded
   parameters) over the host link, and the host optimizer's update.
 
@@ -39,6 +48,7 @@ class Hardware:
     device_memory: int
     flops: float = 400e12  # per device, dense 16-bit
     bandwidth: float = 50e9  # bytes/s per rank in a ring collective
+    intra_node_bandwidth: float = 300e9  # bytes/s per rank within a node (tensor parallelism's all-reduces)
     host_bandwidth: float = 25e9  # bytes/s device <-> host
     host_memory: int | None = None  # per node
     ranks_per_node: int = 8
@@ -55,6 +65,7 @@ class Candidate:
     host_bytes: int
     comm_bytes: float
     seconds: float
+    comm_seconds: float = 0.0  # the communication compute does not hide (tensor-parallel, pipeline, exposed data-parallel)
 
     def describe(self) -> str:
         offload = []
@@ -62,35 +73,68 @@ class Candidate:
             offload.append(f"optimizer on {self.layout.offload_optimizer}")
         if self.layout.offload_param != "none":
             offload.append(f"parameters on {self.layout.offload_param}")
-        return (f"ZeRO {self.layout.stage}{', ' + ', '.join(offload) if offload else ''}, activation checkpointing "
+        split = (f"tensor parallel {self.layout.tp}, " if self.layout.tp > 1 else "") + (
+            f"{self.layout.pp} pipeline stages, " if self.layout.pp > 1 else "")
+        return (f"{split}ZeRO {self.layout.stage}{', ' + ', '.join(offload) if offload else ''}, activation checkpointing "
                 f"{'on' if self.checkpointing else 'off'}, micro-batch {self.layout.micro_batch} x {self.gas} "
                 f"accumulation: {self.device_bytes / 2**30:.2f} GiB per rank, {self.comm_bytes / 2**30:.2f} GiB "
                 f"communicated per rank per step, {self.seconds * 1e3:.1f} ms per step (modeled)")
 
 
-def communication_bytes(layout: Layout, trainable: int, params: int, gas: int) -> float:
-    """Bytes each rank sends per optimizer step (ring: (N - 1) / N of each collective's buffer)."""
+def data_parallel_bytes(layout: Layout, trainable: int, params: int, gas: int) -> tuple[float, float]:
+    """Bytes each rank sends per optimizer step (ring: (N - 1) / N of each collective's buffer), as (sent while
+    the backward pass runs, sent outside it): gradient buckets are reduced as the backward produces them;
+    stage 1 / 2's all-gather of the updated parameters follows the optimizer step, and stage 3's gathers are
+    counted whole: each unit waits for its own (prefetch hides some of it, how much depends on the model's
+    units and the link, so none is credited)."""
     n = layout.dp
     if n == 1:
-        return 0.0
+        return 0.0, 0.0
     ring = (n - 1) / n
     width = 2 if layout.precision in ("bf16", "fp16") else 4
     if layout.stage == 0:
-        return 2 * ring * 4 * trainable
+        return 2 * ring * 4 * trainable, 0.0
     if layout.stage == 1:
-        return ring * width * (trainable + params)
+        return ring * width * trainable, ring * width * params
     if layout.stage == 2:
-        return ring * width * (gas * trainable + params)
-    return ring * width * gas * (2 * params + trainable)
+        return ring * width * gas * trainable, ring * width * params
+    return 0.0, ring * width * gas * (2 * params + trainable)  # each unit's forward and backward wait for its gather
 
 
-def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing: bool, hardware: Hardware) -> tuple[float, float]:
-    """(modeled seconds per optimizer step, bytes communicated per rank)."""
+def communication_bytes(layout: Layout, trainable: int, params: int, gas: int) -> float:
+    """Data-parallel bytes each rank sends per optimizer step."""
+    return sum(data_parallel_bytes(layout, trainable, params, gas))
+
+
+def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing: bool,
+                 hardware: Hardware) -> tuple[float, float, float]:
+    """(modeled seconds per optimizer step, bytes communicated per rank, seconds of that communication compute
+    does not hide); ``profile``: what this rank holds (with pipeline stages, the fullest stage's share)."""
     params = profile.trainable + profile.frozen
-    tokens = layout.micro_batch * gas * profile.seq_len
-    compute = (8 if checkpointing else 6) * params * tokens / hardware.flops
-    comm = communication_bytes(layout, profile.trainable, params, gas)
-    seconds = compute + comm / hardware.bandwidth
+    multiplied = params - profile.lookup  # an embedding lookup costs no flops per parameter
+    tokens = layout.micro_batch * profile.seq_len
+    micro_batches = gas + layout.pp - 1  # the 1F1B bubble: the last micro-batch leaves pp - 1 slots later
+    per_micro_batch = (8 if checkpointing else 6) * multiplied * tokens / hardware.flops
+    backward = (6 if checkpointing else 4) * multiplied * tokens / hardware.flops  # (with the forward run again)
+    compute = per_micro_batch * micro_batches
+    overlapped, exposed = data_parallel_bytes(layout, profile.trainable, params, gas)
+    # what gradient reduction can hide under: the last backward (stages 0 / 1 reduce at the boundary), every
+    # backward (stage 2 reduces every micro-step)
+    window = gas * backward if layout.stage == 2 else backward
+    communicating = exposed / hardware.bandwidth + max(0.0, overlapped / hardware.bandwidth - window)
+    comm = overlapped + exposed
+    block_input = layout.micro_batch * (profile.per_example.block_inputs[0] if profile.per_example.block_inputs else 0)
+    if layout.tp > 1:
+        blocks = len(profile.per_example.block_saved)
+        all_reduces = gas * blocks * (6 if checkpointing else 4)
+        tensor_parallel = all_reduces * 2 * (layout.tp - 1) / layout.tp * block_input
+        communicating += tensor_parallel / hardware.intra_node_bandwidth
+        comm += tensor_parallel
+    if layout.pp > 1:
+        transfers = gas * 2 * block_input  # activations forward, their gradients back
+        communicating += transfers / hardware.bandwidth
+        comm += transfers
+    seconds = compute + communicating
     shard = profile.trainable / (1 if layout.stage == 0 else layout.dp)
     if layout.offload_optimizer != "none":
         width = 2 if layout.precision in ("bf16", "fp16") else 4
@@ -98,33 +142,36 @@ def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing:
     if layout.offload_param != "none":
         width = 2 if layout.precision in ("bf16", "fp16") else 4
         seconds += gas * 2 * width * params / layout.dp / hardware.host_bandwidth
-    return seconds, comm
+    return seconds, comm, communicating
 
 
 def candidates(profile: ModelProfile, base: Layout, per_rank_batch: int, hardware: Hardware,
                micro_batches: list[int] | None = None, checkpointing: tuple[bool, ...] = (False, True),
                vary_offload: bool = True) -> list[Candidate]:
-    """Every layout of the space, with its memory and modeled time (fitting or not). ``micro_batches``: the
-    micro-batches to consider (default: every divisor of ``per_rank_batch``); ``vary_offload`` False keeps
-    ``base``'s offload settings."""
+    """Every layout of the space for ``base``'s split (tensor-parallel size, pipeline stages, data-parallel
+    size), with its memory and modeled time (fitting or not). ``per_rank_batch``: examples per data-parallel
+    replica per step; ``micro_batches``: the micro-batches to consider (default: every divisor of it);
+    ``vary_offload`` False keeps ``base``'s offload settings."""
     result = []
     micros = micro_batches or [m for m in range(1, per_rank_batch + 1) if per_rank_batch % m == 0]
-    for stage in (0, 1, 2, 3):
+    for stage in (0, 1, 2) if base.pp > 1 else (0, 1, 2, 3):  # zerotune.pipe composes with ZeRO 0-2
         offloads = [("none", "none"), ("cpu", "none")] + ([("cpu", "cpu")] if stage == 3 else [])
         if not vary_offload:
             offloads = [(base.offload_optimizer, base.offload_param if stage == 3 else "none")]
         for offload_optimizer, offload_param in offloads:
-            if stage == 0 and offload_optimizer != "none":
-                continue  # offload needs a partitioned optimizer (ZeRO 1-3)
+            if offload_optimizer != "none" and (stage == 0 or (base.pp > 1 and stage != 1)):
+                continue  # offload needs a partitioned optimizer; pipelines offload at ZeRO 1 only
             for micro in micros:
-                layout = dataclasses.replace(base, stage=stage, micro_batch=micro, offload_optimizer=offload_optimizer,
-                                             offload_param=offload_param)
+                gas = max(1, per_rank_batch // micro)
+                layout = dataclasses.replace(base, stage=stage, micro_batch=micro, gas=gas,
+                                             offload_optimizer=offload_optimizer, offload_param=offload_param)
                 plan = plan_from_profile(profile, layout)
+                held = dataclasses.replace(profile, trainable=plan.trainable, frozen=plan.frozen,
+                                           lookup=plan.lookup)  # a pipeline stage's share
                 for ckpt in checkpointing:
-                    gas = max(1, per_rank_batch // micro)
-                    seconds, comm = step_seconds(layout, profile, gas, ckpt, hardware)
+                    seconds, comm, communicating = step_seconds(layout, held, gas, ckpt, hardware)
                     result.append(Candidate(layout, ckpt, gas, plan.total("device", ckpt), plan.total("host"), comm,
-                                            seconds))
+                                            seconds, communicating))
     return result
 
 
@@ -147,8 +194,8 @@ class Choice:
     def explain(self) -> str:
         lines = [f"auto layout: {self.best.describe()}",
                  f"  why: the fastest by the cost model of the {self.fitting} of {self.considered} candidate layouts "
-                 f"that fit in {self.headroom:.0%} of the device (compute + communication + offload traffic, no "
-                 "overlap credited)"]
+                 f"that fit in {self.headroom:.0%} of the device (compute + the communication it does not hide + "
+                 "offload traffic)"]
         if self.runner_up is not None:
             slower = self.runner_up.seconds / self.best.seconds - 1 if self.best.seconds else 0.0
             lines.append(f"  runner-up ({slower:+.1%}): {self.runner_up.describe()}")
@@ -162,8 +209,28 @@ class NoLayoutFits(ValueError):
 def choose(profile: ModelProfile, base: Layout, per_rank_batch: int, hardware: Hardware,
            micro_batches: list[int] | None = None, checkpointing: tuple[bool, ...] = (False, True),
            vary_offload: bool = True) -> Choice:
-    """The fastest fitting candidate and the runner-up; NoLayoutFits when none fits."""
-    everything = candidates(profile, base, per_rank_batch, hardware, micro_batches, checkpointing, vary_offload)
+    """The fastest fitting candidate of ``base``'s split and the runner-up; NoLayoutFits when none fits."""
+    return _pick(candidates(profile, base, per_rank_batch, hardware, micro_batches, checkpointing, vary_offload),
+                 hardware)
+
+
+def choose_layout(profiles: dict[tuple[int, int], ModelProfile], base: Layout, world: int, global_batch: int,
+                  hardware: Hardware, vary_offload: bool = True) -> Choice:
+    """Over every split in ``profiles`` ({(tp, pp): profile}, ``splits.split_profiles``) whose data-parallel
+    size divides ``global_batch``: the fastest fitting layout and the runner-up."""
+    everything = []
+    for (tp, pp), profile in sorted(profiles.items()):
+        dp = world // (tp * pp)
+        if world % (tp * pp) or global_batch % dp:
+            continue
+        split = dataclasses.replace(base, tp=tp, pp=pp, dp=dp)
+        everything += candidates(profile, split, global_batch // dp, hardware, vary_offload=vary_offload)
+    if not everything:
+        raise NoLayoutFits(f"no split of {world} ranks divides the global batch of {global_batch} examples evenly")
+    return _pick(everything, hardware)
+
+
+def _pick(everything: list[Candidate], hardware: Hardware) -> Choice:
     # ties: less communication, then fewer micro-steps (larger kernels), then less memory
     fitting = sorted((c for c in everything if fits(c, hardware)),
                      key=lambda c: (round(c.seconds, 9), c.comm_bytes, c.gas, c.device_bytes))
@@ -172,8 +239,16 @@ def choose(profile: ModelProfile, base: Layout, per_rank_batch: int, hardware: H
         raise NoLayoutFits(f"no layout fits {hardware.headroom:.0%} of {hardware.device_memory / 2**30:.2f} GiB per "
                            f"device: the smallest, "
                            f"{smallest.describe()}; add ranks, lower the sequence length or offload to NVMe")
-    return Choice(fitting[0], fitting[1] if len(fitting) > 1 else None, len(everything), len(fitting), hardware.headroom)
+    best = fitting[0]
+    # the runner-up: the fastest of another kind (split, stage, offload or checkpointing), not the same layout with
+    # another micro-batch
+    runner_up = next((c for c in fitting if _kind(c) != _kind(best)), None)
+    return Choice(best, runner_up, len(everything), len(fitting), hardware.headroom)
 
+
+def _kind(candidate: Candidate) -> tuple:
+    layout = candidate.layout
+    return layout.tp, layout.pp, layout.stage, layout.offload_optimizer, layout.offload_param, candidate.checkpointing
 
 
 def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, device: torch.device) -> Choice:

@@ -96,6 +96,7 @@ class RankPlan:
     activations: ActivationProfile | None = None
     trainable: int = 0
     frozen: int = 0
+    lookup: int = 0  # of those, looked up rather than multiplied (an input embedding no matmul uses)
     stage: int | None = None  # the pipeline stage this rank holds (the fullest one), when pipelined
 
     def total(self, where: str = "device", checkpointing: bool = False) -> int:
@@ -123,6 +124,12 @@ class ModelProfile:
     seq_len: int
     width: int  # bytes per element of the traced precision
     stages: tuple[StageShare, ...] = ()  # pipeline stages' parameters and blocks (pipeline.py)
+    lookup: int = 0
+    """Parameters only looked up, never multiplied (no flops per token): the input embedding unless the output
+    layer shares it."""
+    embedding: int = 0
+    """The input embedding's parameters: a lookup on a pipeline's first stage even when tied (the last stage
+    multiplies by its own copy)."""
 
 
 def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: str = "causal-lm",
@@ -145,7 +152,19 @@ def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: st
                              "(the trace calls model(input_ids=..., labels=...))") from None
     trainable, frozen = parameter_counts(model)  # after the trace: this rank's shards (ties kept)
     return ModelProfile(trainable, frozen, largest_unit_params(model), per_example, seq_len,
-                        2 if precision in ("bf16", "fp16") else 4, shares)
+                        2 if precision in ("bf16", "fp16") else 4, shares, *_embedding_params(model))
+
+
+def _embedding_params(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters only looked up, the input embedding's parameters): the first is the second when no output
+    layer multiplies by the embedding (untied), else 0."""
+    get_input, get_output = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    embedding = get_input() if callable(get_input) else None
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return 0, 0
+    output = get_output() if callable(get_output) else None
+    return (0 if getattr(output, "weight", None) is weight else weight.numel()), weight.numel()
 
 
 def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = "causal-lm") -> RankPlan:
@@ -161,6 +180,7 @@ def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
         plans = []
         for share in profile.stages:
             narrowed = dataclasses.replace(profile, trainable=share.trainable, frozen=share.frozen, stages=(),
+                                           lookup=profile.embedding if share.index == 0 else 0,
                                            per_example=stage_activations(profile.per_example, share,
                                                                          in_flight(share.index, layout.pp, layout.gas)))
             plan = plan_from_profile(narrowed, dataclasses.replace(layout, pp=1))
@@ -174,7 +194,7 @@ def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
     width = profile.width
     micro = layout.micro_batch
     activations = profile.per_example.scaled(micro)
-    plan = RankPlan(trainable=trainable, frozen=frozen, activations=activations)
+    plan = RankPlan(trainable=trainable, frozen=frozen, lookup=profile.lookup, activations=activations)
     rows = plan.rows
     rows.append(Row("parameters", states.params, note=f"{trainable + frozen:,} x {width} B"
                     + (f" / {layout.dp}" if layout.stage == 3 else "")))
