@@ -25,6 +25,7 @@ import torch
 from zerotune.checkpoint.engine_state import load_engine_checkpoint, load_newest_checkpoint, save_engine_checkpoint
 from zerotune.distributed import comm
 from zerotune.distributed.compression import CompressionStats, TopKCompressor
+from zerotune.distributed.streams import phase
 from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
 from zerotune.engine_queries import EngineQueries
@@ -137,6 +138,10 @@ class EngineCore(EngineQueries, torch.nn.Module):
         self.tput_timer.batch_size = train_batch_size
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
+        with phase("step"):  # a profiler range over the whole optimizer step
+            self._model_step(lr_kwargs)
+
+    def _model_step(self, lr_kwargs: dict) -> None:
         grads = self.state.step_grads()
         scale = self.loss_scaler.loss_scale
         scaled_norm = self.state.grad_norm(grads)

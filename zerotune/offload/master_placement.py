@@ -9,11 +9,13 @@ the same copies), so it is tested here. Offload changes where state lives, never
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
+from zerotune.distributed.streams import host_wait, phase, streams_for
 from zerotune.offload.cpu_step import step_threads
 
 ShardWriter = Callable[[int, torch.Tensor], None]
@@ -34,6 +36,7 @@ class MasterPlacement:
     _staging: list[torch.Tensor] = field(default_factory=list, repr=False)
     _expected: list[int] = field(default_factory=list, repr=False)
     _staged: list[int] = field(default_factory=list, repr=False)
+    _staged_event: object = field(default=None, repr=False)  # the copy stream's event after the last staged copy
     staged_steps: int = 0
     """Optimizer steps whose gradients were all copied to the host during backward."""
 
@@ -102,16 +105,19 @@ class MasterPlacement:
         if not self.offloaded:
             return list(grads)
         placed = []
-        for master, grad in zip(masters, grads):
-            if grad.device == master.device and grad.dtype == master.dtype:  # staged, or already on the host
-                placed.append(grad)
-                continue
-            buffer = self._grads.get(id(master))
-            if buffer is None or buffer.shape != master.shape:
-                buffer = self._grads[id(master)] = torch.empty_like(master)
-            placed.append(buffer.copy_(grad, non_blocking=buffer.is_pinned()))
-        if torch.cuda.is_available() and any(g.is_cuda for g in grads):
-            torch.cuda.current_stream().synchronize()  # the step reads the host copies next
+        on_device = next((g.device for g in grads if g.device.type != "cpu"), None)
+        streams = streams_for(on_device) if on_device is not None else None
+        with phase("offload_copy"), (streams.on("copy") if streams is not None else contextlib.nullcontext()):
+            for master, grad in zip(masters, grads):
+                if grad.device == master.device and grad.dtype == master.dtype:  # staged, or already on the host
+                    placed.append(grad)
+                    continue
+                buffer = self._grads.get(id(master))
+                if buffer is None or buffer.shape != master.shape:
+                    buffer = self._grads[id(master)] = torch.empty_like(master)
+                placed.append(buffer.copy_(grad, non_blocking=buffer.is_pinned()))
+        if streams is not None:
+            host_wait(streams.mark("copy"))  # the host step reads the copies next: wait for them, not the device
         return placed
 
     # ---- gradients copied to the host during backward (ZeRO-Offload's overlap) -------------
@@ -132,15 +138,19 @@ class MasterPlacement:
         if not self._staging:
             return
         buffer = self._staging[master_index]
-        buffer[lo:lo + grad.numel()].copy_(grad, non_blocking=buffer.is_pinned())
+        streams = streams_for(grad.device)
+        # on the copy stream, behind the reduction that produced ``grad`` (the backward goes on meanwhile)
+        with phase("offload_copy"), streams.on("copy", after=streams.mark("reduce")):
+            buffer[lo:lo + grad.numel()].copy_(grad, non_blocking=buffer.is_pinned())
+        self._staged_event = streams.mark("copy")
         self._staged[master_index] += grad.numel()
 
     def staged_grads(self) -> list[torch.Tensor] | None:
         """The host gradients if backward staged all of them, else None (the step copies them instead)."""
         if not self._staging or self._staged != self._expected:
             return None
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the non-blocking copies land before the step reads them
+        host_wait(self._staged_event)  # the copy stream is in order: its last event covers every staged copy
+        self._staged_event = None
         self.staged_steps += 1
         return list(self._staging)
 

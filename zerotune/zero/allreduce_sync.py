@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm, compression
 from zerotune.distributed.buckets import Bucket, GradientBuckets
+from zerotune.distributed.streams import phase, streams_for
 from zerotune.zero.grad_hooks import register_grad_ready_hooks
 
 
@@ -73,24 +74,31 @@ class AllReduceGradSync:
     def _launch(self, bucket: Bucket) -> None:
         if self.local_only:
             return
-        if self.pre_factor != 1.0:
-            bucket.buffer.div_(self.pre_factor)
-        if self.compressor is not None:
-            self._handles.append(compression.all_reduce(bucket.buffer, self.group, self.compressor,
-                                                        f"all_reduce.{bucket.index}", async_op=True))
-        else:
-            self._handles.append(comm.all_reduce(bucket.buffer, self.group, async_op=True))
+        # on the reduce stream, behind the backward that filled the bucket; the backward goes on meanwhile
+        with phase("reduce"), streams_for(bucket.buffer.device).on("reduce"):
+            if self.pre_factor != 1.0:
+                bucket.buffer.div_(self.pre_factor)
+            if self.compressor is not None:
+                self._handles.append(compression.all_reduce(bucket.buffer, self.group, self.compressor,
+                                                            f"all_reduce.{bucket.index}", async_op=True))
+            else:
+                self._handles.append(comm.all_reduce(bucket.buffer, self.group, async_op=True))
 
     def finish(self) -> None:
         """Complete the boundary's communication; afterwards every bucket holds the mean gradient."""
         self.buckets.launch_remaining()
-        for handle in self._handles:
-            handle.wait()
+        buffers = [bucket.buffer for bucket in self.buckets.buckets]
+        if buffers:
+            streams = streams_for(buffers[0].device)
+            with phase("reduce"), streams.on("reduce"):
+                for handle in self._handles:
+                    handle.wait()
+                if self.post_factor != 1.0 and not self.local_only:
+                    for buffer in buffers:
+                        buffer.mul_(self.post_factor)
+            streams.join("reduce")  # the step reads the buckets next
         self._handles = []
         self._communicating = False
-        if self.post_factor != 1.0 and not self.local_only:
-            for bucket in self.buckets.buckets:
-                bucket.buffer.mul_(self.post_factor)
 
     def use_local_gradients(self, enabled: bool) -> None:
         """An optimizer that averages something else (OneBitAdam's momentum, after its warm-up) takes each

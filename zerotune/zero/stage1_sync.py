@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm, compression
+from zerotune.distributed.streams import phase, streams_for
 from zerotune.zero.flat_params import FlatParamGroup
 
 
@@ -57,20 +58,27 @@ class ReduceAtBoundaryGradSync:
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                     view.copy_(param.grad)  # autograd replaced the view (e.g. create_graph=True)
                     param.grad = view
-            if self.pre_factor != 1.0:
-                buffer.div_(self.pre_factor)
-            for lo, hi in fg.chunks(self.bucket_numel):
-                inputs = fg.rank_views(buffer, lo, hi)
-                if self.compressor is not None:
-                    handles.append(compression.reduce_scatter(inputs[fg.rank], inputs, self.group, self.compressor,
-                                                              f"reduce_scatter.{index}.{lo}", async_op=True))
-                else:
-                    handles.append(comm.reduce_scatter(inputs[fg.rank], inputs, self.group, async_op=True))
-        for handle in handles:
-            handle.wait()
-        if self.post_factor != 1.0:
-            for g in range(len(self.flat_groups)):
-                self.shard_grad(g).mul_(self.post_factor)
+        streams = streams_for(self.grad_buffers[0].device) if self.grad_buffers else None
+        if streams is None:
+            return
+        with phase("reduce"), streams.on("reduce"):
+            for index, (fg, buffer) in enumerate(zip(self.flat_groups, self.grad_buffers)):
+                if self.pre_factor != 1.0:
+                    buffer.div_(self.pre_factor)
+                for lo, hi in fg.chunks(self.bucket_numel):
+                    inputs = fg.rank_views(buffer, lo, hi)
+                    if self.compressor is not None:
+                        handles.append(compression.reduce_scatter(inputs[fg.rank], inputs, self.group,
+                                                                  self.compressor, f"reduce_scatter.{index}.{lo}",
+                                                                  async_op=True))
+                    else:
+                        handles.append(comm.reduce_scatter(inputs[fg.rank], inputs, self.group, async_op=True))
+            for handle in handles:
+                handle.wait()
+            if self.post_factor != 1.0:
+                for g in range(len(self.flat_groups)):
+                    self.shard_grad(g).mul_(self.post_factor)
+        streams.join("reduce")
 
     def shard_grad(self, group_index: int) -> torch.Tensor:
         """This rank's slice of group ``group_index``'s gradient (valid after ``finish``)."""

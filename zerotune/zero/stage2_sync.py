@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm, compression
 from zerotune.distributed.buckets import Bucket, BucketPiece, GradientBuckets
+from zerotune.distributed.streams import DeferredRelease, phase, streams_for
 from zerotune.zero.flat_params import FlatParamGroup
 from zerotune.zero.grad_hooks import register_grad_ready_hooks
 from zerotune.zero.partition import split_at_owner_boundaries
@@ -81,6 +82,8 @@ class BucketedReduceGradSync:
         self._dtype, self._device = dtype, device
         self._largest_bucket = max((b.numel for b in self.buckets.buckets), default=0)
         self._free_buffers: list[torch.Tensor] = []  # recycled bucket storages
+        self._returning: DeferredRelease[torch.Tensor] = DeferredRelease(self._free_buffers.append)
+        self._streams = streams_for(device)
         self._storage_of: dict[int, torch.Tensor] = {}
         self._in_flight: deque[tuple[Bucket, comm.Handle]] = deque()
         self._round_open = False
@@ -102,6 +105,7 @@ class BucketedReduceGradSync:
     def _buffer_for(self, bucket: Bucket) -> torch.Tensor:
         """A zeroed buffer for ``bucket``, recycled from retired buckets (no allocation, no page faults)."""
         if bucket.buffer is None:
+            self._returning.poll()  # (a storage the reduce stream still reads is not reused before it is done)
             storage = self._free_buffers.pop() if self._free_buffers else torch.empty(
                 self._largest_bucket, dtype=self._dtype, device=self._device)
             bucket.buffer = storage[:bucket.numel].zero_()
@@ -118,35 +122,40 @@ class BucketedReduceGradSync:
 
     def _launch(self, bucket: Bucket) -> None:
         buffer = self._buffer_for(bucket)  # a bucket nobody wrote (unused parameters) reduces zeros
-        if self.pre_factor != 1.0:
-            buffer.div_(self.pre_factor)
-        if self.compressor is not None:
-            handle = compression.reduce(buffer, bucket.target.owner, self.group, self.compressor,
-                                        f"reduce.{bucket.index}", async_op=True)
-        else:
-            handle = comm.reduce(buffer, bucket.target.owner, self.group, async_op=True)
+        with phase("reduce"), self._streams.on("reduce"):  # behind the backward that filled it
+            if self.pre_factor != 1.0:
+                buffer.div_(self.pre_factor)
+            if self.compressor is not None:
+                handle = compression.reduce(buffer, bucket.target.owner, self.group, self.compressor,
+                                            f"reduce.{bucket.index}", async_op=True)
+            else:
+                handle = comm.reduce(buffer, bucket.target.owner, self.group, async_op=True)
         self._in_flight.append((bucket, handle))
         while len(self._in_flight) > self.max_in_flight:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
         bucket, handle = self._in_flight.popleft()
-        handle.wait()
         target = bucket.target
         fg = self.flat_groups[target.group]
-        if target.owner == fg.rank:
-            start = fg.layout.owned_range(fg.rank)[0]
-            part = self.grad_shards[target.group][target.lo - start:target.hi - start]
-            part.add_(bucket.buffer, alpha=self.post_factor)
-            if self._boundary and self.on_final_grad is not None:
-                self.on_final_grad(target.group, target.lo - start, part)
+        part = None
+        with phase("reduce"), self._streams.on("reduce"):
+            handle.wait()
+            if target.owner == fg.rank:
+                start = fg.layout.owned_range(fg.rank)[0]
+                part = self.grad_shards[target.group][target.lo - start:target.hi - start]
+                part.add_(bucket.buffer, alpha=self.post_factor)
+        if part is not None and self._boundary and self.on_final_grad is not None:
+            self.on_final_grad(target.group, target.lo - fg.layout.owned_range(fg.rank)[0], part)
         bucket.buffer = None
-        self._free_buffers.append(self._storage_of.pop(id(bucket)))
+        self._returning.later(self._storage_of.pop(id(bucket)), self._streams.mark("reduce"))
 
     def _complete_round(self) -> None:
         self.buckets.launch_remaining()
         while self._in_flight:
             self._retire_oldest()
+        self._streams.join("reduce")  # the step reads the gradient shards next
+        self._returning.drain()
         del self._free_buffers[max(1, self.max_in_flight):]  # keep a few for reuse, not a whole model's worth
         self._round_open = False
 

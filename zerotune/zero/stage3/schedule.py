@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.autograd.graph import register_multi_grad_hook
 
 from zerotune.distributed import comm
+from zerotune.distributed.streams import streams_for
 from zerotune.zero.grad_hooks import register_grad_ready_hooks
 from zerotune.zero.stage3.unit import ParamUnit
 
@@ -266,6 +267,8 @@ class UnitScheduler:
             self._reduce(unit)
         while self._reducing:
             self._retire(self._reducing.popleft())
+        if trainable := [u for u in self.units if u.grad_shard is not None]:
+            streams_for(trainable[0].grad_shard.device).join("reduce")  # the step reads the reduced gradients
         for unit in self.units:
             unit.reduced = False
             if not unit.persistent:

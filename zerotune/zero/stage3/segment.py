@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
+from zerotune.distributed.streams import phase, streams_for
 from zerotune.zero.partition import FlatLayout, flat_layout
 from zerotune.zero.stage3.sharded_param import ParamState, ShardedParam, sharded_param_of
 
@@ -181,17 +182,21 @@ class FlatSegment:
         if self.gathered or self._pending is not None:
             return
         self.make_resident()
-        self.full.untyped_storage().resize_(self._full_bytes)
-        source = self.local if self.local.device == self.full.device else self.local.to(self.full.device,
-                                                                                            non_blocking=self._pin)
-        self._pending = comm.all_gather_into_tensor(self.full, source, self.group, async_op=True)
+        # On CUDA the buffer is allocated, an offloaded shard copied in and the collective queued on the gather
+        # stream, behind the computation queued so far (which wrote the shard): a prefetch runs beside it.
+        with phase("gather"), streams_for(self.full.device).on("gather"):
+            self.full.untyped_storage().resize_(self._full_bytes)
+            source = self.local if self.local.device == self.full.device else self.local.to(self.full.device,
+                                                                                                non_blocking=self._pin)
+            self._pending = comm.all_gather_into_tensor(self.full, source, self.group, async_op=True)
 
     def finish_gather(self) -> None:
         """Wait for the gather (starting it if needed) and show the full values in the parameters."""
         if self.gathered:
             return
         self.start_gather()
-        self._pending.wait()
+        with phase("gather"):
+            self._pending.wait()  # NCCL: the computation's stream waits for this gather, not the host
         self._pending = None
         self._drop_local()  # the swap file still holds it: the gather did not change it
         for sharded in self.sharded:
@@ -208,6 +213,7 @@ class FlatSegment:
             return
         for sharded in self.sharded:
             sharded.to_sharded()
+        streams_for(self.full.device).keep_until_used(self.full)  # allocated on the gather stream, read here
         self.full.untyped_storage().resize_(0)
         self.gathered = False
 

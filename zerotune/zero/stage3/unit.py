@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
+from zerotune.distributed.streams import DeferredRelease, phase, streams_for
 from zerotune.zero.stage3.segment import FlatSegment
 
 
@@ -30,14 +31,17 @@ class BufferPool:
     which costs more than the copies themselves. Gradient buffers live only while a unit's
     backward and reduce-scatter run, so a few recycled ones serve every unit. The free ones kept
     total at most ``capacity_numel`` elements (``reduce_bucket_size``: the stage-3 counterpart of
-    the reduce buckets stages 1 and 2 keep).
+    the reduce buckets stages 1 and 2 keep). On CUDA a buffer the reduce stream used comes back only
+    once that use is over (``give(buffer, after=event)``).
     """
 
     def __init__(self, capacity_numel: int) -> None:
         self.capacity_numel = capacity_numel
         self._free: list[torch.Tensor] = []
+        self._returning: DeferredRelease[torch.Tensor] = DeferredRelease(self._keep)
 
     def take(self, numel: int, like: torch.Tensor, zero: bool) -> torch.Tensor:
+        self._returning.poll()
         fits = [i for i, t in enumerate(self._free)
                 if t.numel() >= numel and t.dtype == like.dtype and t.device == like.device]
         if fits:
@@ -45,14 +49,17 @@ class BufferPool:
             return buffer.zero_() if zero else buffer
         return (torch.zeros if zero else torch.empty)(numel, dtype=like.dtype, device=like.device)
 
-    def give(self, buffer: torch.Tensor) -> None:
-        whole = buffer if buffer._base is None else buffer._base
+    def give(self, buffer: torch.Tensor, after: object = None) -> None:
+        """Keep ``buffer`` for reuse once ``after`` (an event on the stream that used it last; None: now) passed."""
+        self._returning.later(buffer if buffer._base is None else buffer._base, after)
+
+    def _keep(self, whole: torch.Tensor) -> None:
         kept = sum(t.numel() for t in self._free)
         if kept + whole.numel() <= self.capacity_numel:
             self._free.append(whole)
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._free)
+        return sum(t.numel() * t.element_size() for t in [*self._free, *self._returning.waiting()])
 
 
 class ParamUnit:
@@ -141,10 +148,11 @@ class ParamUnit:
         full = self._grad_full
         if full is None:
             full = self.buffers.take(self.trainable.layout.padded, self.trainable.local, zero=True)
-        if pre_factor != 1.0:
-            full.div_(pre_factor)
-        out = self.buffers.take(self.trainable.layout.shard, self.trainable.local, zero=False)
-        handle = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
+        with phase("reduce"), streams_for(full.device).on("reduce"):  # (behind the backward that wrote ``full``)
+            if pre_factor != 1.0:
+                full.div_(pre_factor)
+            out = self.buffers.take(self.trainable.layout.shard, self.trainable.local, zero=False)
+            handle = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
         self._in_flight = (handle, out, full)
         self._grad_full = None
         self._grads_seen.clear()
@@ -154,10 +162,13 @@ class ParamUnit:
         if self._in_flight is None:
             return
         handle, out, full = self._in_flight
-        handle.wait()
-        self.grad_shard.add_(out, alpha=post_factor)
-        self.buffers.give(full)
-        self.buffers.give(out)
+        streams = streams_for(out.device)
+        with phase("reduce"), streams.on("reduce"):
+            handle.wait()
+            self.grad_shard.add_(out, alpha=post_factor)
+        done = streams.mark("reduce")  # the computation reads grad_shard after joining the reduce stream
+        self.buffers.give(full, after=done)
+        self.buffers.give(out, after=done)
         self._in_flight = None
 
     def gradient_bytes_in_flight(self) -> int:
