@@ -203,7 +203,7 @@ def test_assert_implemented_accepts_plain_config():
     [
         ({"zero_optimization": {"stage": 2}}, "zero_optimization.stage", "2 is not supported yet (implemented: 0)"),
         ({"activation_checkpointing": {"partition_activations": True}}, "activation_checkpointing.partition_activations", "true"),
-        ({"communication_data_type": "fp16"}, "communication_data_type", "fp16"),
+        ({"checkpoint": {"use_node_local_storage": True}}, "checkpoint.use_node_local_storage", "true"),
         ({"memory_breakdown": True}, "memory_breakdown", "true"),
     ],
 )

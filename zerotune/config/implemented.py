@@ -23,7 +23,6 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("zero_optimization.mics_shard_size", lambda v: v > 0, "-1"),
     ("zero_optimization.elastic_checkpoint", bool, "false"),
     ("activation_checkpointing.partition_activations", bool, "false"),
-    ("communication_data_type", lambda v: v not in (None, "fp32"), "unset or fp32"),
     ("checkpoint.use_node_local_storage", bool, "false"),
     ("aio.use_gds", bool, "false"),
     ("memory_breakdown", bool, "false"),

@@ -150,6 +150,12 @@ def _watched(op: str, group: dist.ProcessGroup | None, ranks: int, nbytes: int, 
         WATCHDOG.end(token)
 
 
+def on_the_wire(tensor: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` as a collective should carry it: itself, or a copy in ``dtype`` (``communication_data_type``:
+    bf16 / fp16 halve the bytes of fp32 gradients). The caller copies a reduced copy's result back."""
+    return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 

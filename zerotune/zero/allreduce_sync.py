@@ -32,15 +32,16 @@ class AllReduceGradSync:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, *,
                  bucket_numel: int, device: torch.device, predivide_factor: float = 1.0,
-                 compressor: compression.TopKCompressor | None = None) -> None:
+                 compressor: compression.TopKCompressor | None = None, comm_dtype: torch.dtype | None = None) -> None:
         self.params = list(params)
+        self.comm_dtype = comm_dtype  # communication_data_type: the buckets are all-reduced in it
         self.group = group
         world = 1 if group is None else dist.get_world_size(group)
         # Sum(g / pre) * pre / world == mean(g); pre > 1 keeps fp16/bf16 sums in range.
         self.pre_factor = float(predivide_factor)
         self.post_factor = self.pre_factor / world
         self.buckets = GradientBuckets.whole_params(self.params, bucket_numel, torch.float32, device, self._launch)
-        self._handles: list[comm.Handle] = []
+        self._handles: list[tuple[comm.Handle, torch.Tensor, torch.Tensor]] = []  # (handle, bucket, on the wire)
         self._communicating = False
         self._grads_in_buckets = all(p.dtype == torch.float32 for p in self.params)
         self._hooks = register_grad_ready_hooks(self.params, self._on_grad_ready)
@@ -79,10 +80,12 @@ class AllReduceGradSync:
             if self.pre_factor != 1.0:
                 bucket.buffer.div_(self.pre_factor)
             if self.compressor is not None:
-                self._handles.append(compression.all_reduce(bucket.buffer, self.group, self.compressor,
-                                                            f"all_reduce.{bucket.index}", async_op=True))
+                handle = compression.all_reduce(bucket.buffer, self.group, self.compressor,
+                                                f"all_reduce.{bucket.index}", async_op=True)
+                self._handles.append((handle, bucket.buffer, bucket.buffer))
             else:
-                self._handles.append(comm.all_reduce(bucket.buffer, self.group, async_op=True))
+                wire = comm.on_the_wire(bucket.buffer, self.comm_dtype)
+                self._handles.append((comm.all_reduce(wire, self.group, async_op=True), bucket.buffer, wire))
 
     def finish(self) -> None:
         """Complete the boundary's communication; afterwards every bucket holds the mean gradient."""
@@ -91,8 +94,10 @@ class AllReduceGradSync:
         if buffers:
             streams = streams_for(buffers[0].device)
             with phase("reduce"), streams.on("reduce"):
-                for handle in self._handles:
+                for handle, buffer, wire in self._handles:
                     handle.wait()
+                    if wire is not buffer:
+                        buffer.copy_(wire)
                 if self.post_factor != 1.0 and not self.local_only:
                     for buffer in buffers:
                         buffer.mul_(self.post_factor)

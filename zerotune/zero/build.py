@@ -56,8 +56,9 @@ def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Para
     zero = cfg.zero_optimization
     group = mesh.group("dp_sp")  # the ranks holding the same parameters: gradients are averaged, ZeRO shards over them
     predivide = float(mesh.size("dp_sp")) if cfg.prescale_gradients else float(cfg.gradient_predivide_factor)
+    wire = communication_dtype(cfg, compressor)
     if zero.stage == 0:
-        return _build_stage0(zero, trainable, policy, group, model, predivide, compressor, norm)
+        return _build_stage0(zero, trainable, policy, group, model, predivide, compressor, norm, wire)
     chosen = {id(p) for p in trainable}
     group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
     placement = _master_placement(cfg, rank)
@@ -66,38 +67,51 @@ def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Para
             raise NotSupportedYetError("zero_optimization.stage", "3 with tensor or pipeline parallelism is not "
                                        "supported yet (use stage 1 or 2)")
         return _build_stage3(zero, group_params, policy, group, model, predivide, placement, rank=rank,
-                             aio=AioSettings.from_config(cfg.aio))
+                             aio=AioSettings.from_config(cfg.aio), wire=wire)
     return _build_stage1_or_2(zero, group_params, trainable, policy, group, model, predivide, placement, compressor,
-                              norm)
+                              norm, wire)
+
+
+WIRE_DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16, "bfp16": torch.bfloat16}
+
+
+def communication_dtype(cfg: Any, compressor: TopKCompressor | None) -> torch.dtype | None:
+    """``communication_data_type``: the dtype gradient reductions carry (None: the gradients' own)."""
+    name = cfg.communication_data_type
+    wire = WIRE_DTYPES.get(name) if name is not None else None
+    if wire is not None and compressor is not None:
+        raise NotSupportedYetError("communication_data_type", f"{name} together with gradient_compression is not "
+                                   "supported yet (Top-K sends its own values and indices); unset one of them")
+    return wire
 
 
 def _build_stage0(zero: Any, trainable: list[torch.nn.Parameter], policy: PrecisionPolicy, group: Any,
                   model: torch.nn.Module, predivide: float, compressor: TopKCompressor | None,
-                  norm: ModelParallelNorm | None) -> ReplicatedState:
+                  norm: ModelParallelNorm | None, wire: torch.dtype | None) -> ReplicatedState:
     weights = MasterWeights(trainable, policy)  # fp32 masters before the cast
     model.to(policy.param_dtype)
     grad_sync = AllReduceGradSync(trainable, group, bucket_numel=int(zero.reduce_bucket_size),
                                   device=trainable[0].device if trainable else torch.device("cpu"),
-                                  predivide_factor=predivide, compressor=compressor)
+                                  predivide_factor=predivide, compressor=compressor, comm_dtype=wire)
     return ReplicatedState(weights, grad_sync, norm)
 
 
 def _build_stage1_or_2(zero: Any, group_params: list[list[torch.nn.Parameter]], trainable: list[torch.nn.Parameter],
                        policy: PrecisionPolicy, group: Any, model: torch.nn.Module, predivide: float,
                        placement: MasterPlacement, compressor: TopKCompressor | None,
-                       norm: ModelParallelNorm | None) -> ShardedState:
+                       norm: ModelParallelNorm | None, wire: torch.dtype | None) -> ShardedState:
     bucket = int(zero.reduce_bucket_size)
     if zero.stage == 1:
         def make_grad_sync(flat_groups: list, on_final_grad: Any) -> ReduceAtBoundaryGradSync:
             return ReduceAtBoundaryGradSync(flat_groups, group, bucket_numel=bucket, predivide_factor=predivide,
-                                            compressor=compressor)
+                                            compressor=compressor, comm_dtype=wire)
     else:
         position = {id(p): i for i, p in enumerate(trainable)}
 
         def make_grad_sync(flat_groups: list, on_final_grad: Any) -> BucketedReduceGradSync:
             return BucketedReduceGradSync(flat_groups, group, bucket_numel=bucket, position=position,
                                           predivide_factor=predivide, max_in_flight=2 if zero.overlap_comm else 0,
-                                          compressor=compressor, on_final_grad=on_final_grad)
+                                          compressor=compressor, on_final_grad=on_final_grad, comm_dtype=wire)
     state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size),
                          make_grad_sync=make_grad_sync, placement=placement, stage_grads=zero.stage == 2,
                          model_parallel_norm=norm)
@@ -133,7 +147,7 @@ def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
 
 def _build_stage3(zero: Any, group_params: list[list[torch.nn.Parameter]], policy: PrecisionPolicy, group: Any,
                   model: torch.nn.Module, predivide: float, placement: MasterPlacement, *, rank: int,
-                  aio: AioSettings) -> Stage3State:
+                  aio: AioSettings, wire: torch.dtype | None = None) -> Stage3State:
     """Partition the model into units (hooks attached), masters from the fp32 shards, then cast.
 
     ``model.to(dtype)`` is not used: it would materialize every partitioned parameter's placeholder.
@@ -158,7 +172,8 @@ def _build_stage3(zero: Any, group_params: list[list[torch.nn.Parameter]], polic
                             pin_memory=bool(offload.pin_memory), on_unit_built=unit_built)
     state.finish(lambda on_final_grad: UnitScheduler(
         units, prefetch_numel=int(zero.stage3_prefetch_bucket_size), max_live_numel=int(zero.stage3_max_live_parameters),
-        predivide_factor=predivide, max_in_flight=2 if zero.overlap_comm else 0, on_final_grad=on_final_grad))
+        predivide_factor=predivide, max_in_flight=2 if zero.overlap_comm else 0, on_final_grad=on_final_grad,
+        comm_dtype=wire))
     with torch.no_grad():
         for buffer in model.buffers():
             if buffer.is_floating_point():

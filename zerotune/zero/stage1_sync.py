@@ -28,8 +28,9 @@ class ReduceAtBoundaryGradSync:
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], group: dist.ProcessGroup | None, *,
                  bucket_numel: int, predivide_factor: float = 1.0,
-                 compressor: compression.TopKCompressor | None = None) -> None:
+                 compressor: compression.TopKCompressor | None = None, comm_dtype: torch.dtype | None = None) -> None:
         self.flat_groups = list(flat_groups)
+        self.comm_dtype = comm_dtype  # communication_data_type: the gradients are reduce-scattered in it
         self.group = group
         world = 1 if group is None else dist.get_world_size(group)
         self.pre_factor = float(predivide_factor)
@@ -62,11 +63,14 @@ class ReduceAtBoundaryGradSync:
         if streams is None:
             return
         with phase("reduce"), streams.on("reduce"):
+            wires = []
             for index, (fg, buffer) in enumerate(zip(self.flat_groups, self.grad_buffers)):
                 if self.pre_factor != 1.0:
                     buffer.div_(self.pre_factor)
+                wire = buffer if self.compressor is not None else comm.on_the_wire(buffer, self.comm_dtype)
+                wires.append(wire)
                 for lo, hi in fg.chunks(self.bucket_numel):
-                    inputs = fg.rank_views(buffer, lo, hi)
+                    inputs = fg.rank_views(wire, lo, hi)
                     if self.compressor is not None:
                         handles.append(compression.reduce_scatter(inputs[fg.rank], inputs, self.group,
                                                                   self.compressor, f"reduce_scatter.{index}.{lo}",
@@ -75,6 +79,10 @@ class ReduceAtBoundaryGradSync:
                         handles.append(comm.reduce_scatter(inputs[fg.rank], inputs, self.group, async_op=True))
             for handle in handles:
                 handle.wait()
+            for g, (buffer, wire) in enumerate(zip(self.grad_buffers, wires)):
+                if wire is not buffer:  # this rank's reduced slice back into the gradient buffer
+                    start, end = self.flat_groups[g].layout.owned_range(self.flat_groups[g].rank)
+                    buffer[start:end].copy_(wire[start:end])
             if self.post_factor != 1.0:
                 for g in range(len(self.flat_groups)):
                     self.shard_grad(g).mul_(self.post_factor)

@@ -66,8 +66,10 @@ class BucketedReduceGradSync:
     def __init__(self, flat_groups: Sequence[FlatParamGroup], group: dist.ProcessGroup | None, *,
                  bucket_numel: int, position: dict[int, int], predivide_factor: float = 1.0,
                  max_in_flight: int = 2, compressor: compression.TopKCompressor | None = None,
-                 on_final_grad: Callable[[int, int, torch.Tensor], None] | None = None) -> None:
+                 on_final_grad: Callable[[int, int, torch.Tensor], None] | None = None,
+                 comm_dtype: torch.dtype | None = None) -> None:
         self.flat_groups = list(flat_groups)
+        self.comm_dtype = comm_dtype  # communication_data_type: the buckets are reduced in it
         self.group = group
         world = 1 if group is None else dist.get_world_size(group)
         self.pre_factor = float(predivide_factor)
@@ -85,7 +87,7 @@ class BucketedReduceGradSync:
         self._returning: DeferredRelease[torch.Tensor] = DeferredRelease(self._free_buffers.append)
         self._streams = streams_for(device)
         self._storage_of: dict[int, torch.Tensor] = {}
-        self._in_flight: deque[tuple[Bucket, comm.Handle]] = deque()
+        self._in_flight: deque[tuple[Bucket, comm.Handle, torch.Tensor]] = deque()  # (bucket, handle, on the wire)
         self._round_open = False
         self._boundary = False
         self.on_final_grad = on_final_grad
@@ -125,17 +127,19 @@ class BucketedReduceGradSync:
         with phase("reduce"), self._streams.on("reduce"):  # behind the backward that filled it
             if self.pre_factor != 1.0:
                 buffer.div_(self.pre_factor)
+            wire = buffer
             if self.compressor is not None:
                 handle = compression.reduce(buffer, bucket.target.owner, self.group, self.compressor,
                                             f"reduce.{bucket.index}", async_op=True)
             else:
-                handle = comm.reduce(buffer, bucket.target.owner, self.group, async_op=True)
-        self._in_flight.append((bucket, handle))
+                wire = comm.on_the_wire(buffer, self.comm_dtype)
+                handle = comm.reduce(wire, bucket.target.owner, self.group, async_op=True)
+        self._in_flight.append((bucket, handle, wire))
         while len(self._in_flight) > self.max_in_flight:
             self._retire_oldest()
 
     def _retire_oldest(self) -> None:
-        bucket, handle = self._in_flight.popleft()
+        bucket, handle, wire = self._in_flight.popleft()
         target = bucket.target
         fg = self.flat_groups[target.group]
         part = None
@@ -144,7 +148,7 @@ class BucketedReduceGradSync:
             if target.owner == fg.rank:
                 start = fg.layout.owned_range(fg.rank)[0]
                 part = self.grad_shards[target.group][target.lo - start:target.hi - start]
-                part.add_(bucket.buffer, alpha=self.post_factor)
+                part.add_(wire, alpha=self.post_factor)
         if part is not None and self._boundary and self.on_final_grad is not None:
             self.on_final_grad(target.group, target.lo - fg.layout.owned_range(fg.rank)[0], part)
         bucket.buffer = None

@@ -69,13 +69,14 @@ class UnitScheduler:
     """Owns the hooks; also the engine's gradient-sync strategy for stage 3."""
 
     def __init__(self, units: Sequence[ParamUnit], *, prefetch_numel: int, max_live_numel: int,
-                 predivide_factor: float = 1.0, max_in_flight: int = 2,
+                 predivide_factor: float = 1.0, max_in_flight: int = 2, comm_dtype: torch.dtype | None = None,
                  on_final_grad: Callable[[ParamUnit], None] | None = None) -> None:
         self.units = list(units)
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         world = self.units[0].world if self.units else 1
         self.pre_factor = float(predivide_factor)
+        self.comm_dtype = comm_dtype  # communication_data_type: gradients are reduce-scattered in it
         self.post_factor = self.pre_factor / world
         self.max_in_flight = max_in_flight
         self._in_backward = False
@@ -240,7 +241,7 @@ class UnitScheduler:
         self._maybe_release(unit)
 
     def _reduce(self, unit: ParamUnit) -> None:
-        unit.launch_reduce(self.pre_factor)
+        unit.launch_reduce(self.pre_factor, self.comm_dtype)
         self._reducing.append(unit)
         while len(self._reducing) > self.max_in_flight:
             self._retire(self._reducing.popleft())

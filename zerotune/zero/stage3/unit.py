@@ -143,16 +143,19 @@ class ParamUnit:
         self._grads_seen.add(id(param))
         return len(self._grads_seen) == len(self._offset_of)
 
-    def launch_reduce(self, pre_factor: float) -> None:
-        """Reduce-scatter this micro-step's gradient (zeros for parameters that got none)."""
+    def launch_reduce(self, pre_factor: float, comm_dtype: torch.dtype | None = None) -> None:
+        """Reduce-scatter this micro-step's gradient (zeros for parameters that got none); in ``comm_dtype``
+        when given (``communication_data_type``)."""
         full = self._grad_full
         if full is None:
             full = self.buffers.take(self.trainable.layout.padded, self.trainable.local, zero=True)
         with phase("reduce"), streams_for(full.device).on("reduce"):  # (behind the backward that wrote ``full``)
             if pre_factor != 1.0:
                 full.div_(pre_factor)
-            out = self.buffers.take(self.trainable.layout.shard, self.trainable.local, zero=False)
-            handle = comm.reduce_scatter_tensor(out, full, self.group, async_op=True)
+            wire = comm.on_the_wire(full, comm_dtype)
+            out = (self.buffers.take(self.trainable.layout.shard, self.trainable.local, zero=False) if wire is full
+                   else torch.empty(self.trainable.layout.shard, dtype=wire.dtype, device=wire.device))
+            handle = comm.reduce_scatter_tensor(out, wire, self.group, async_op=True)
         self._in_flight = (handle, out, full)
         self._grad_full = None
         self._grads_seen.clear()
@@ -168,7 +171,8 @@ class ParamUnit:
             self.grad_shard.add_(out, alpha=post_factor)
         done = streams.mark("reduce")  # the computation reads grad_shard after joining the reduce stream
         self.buffers.give(full, after=done)
-        self.buffers.give(out, after=done)
+        if out.dtype == full.dtype:  # (a communication_data_type copy is not the pool's)
+            self.buffers.give(out, after=done)
         self._in_flight = None
 
     def gradient_bytes_in_flight(self) -> int:
