@@ -159,7 +159,7 @@ class BucketedReduceGradSync:
         while self._in_flight:
             self._retire_oldest()
         self._streams.join("reduce")  # the step reads the gradient shards next
-        self._returning.drain()
+        self._returning.poll()  # (storages the reduce stream still reads come back at a later poll)
         del self._free_buffers[max(1, self.max_in_flight):]  # keep a few for reuse, not a whole model's worth
         self._round_open = False
 
