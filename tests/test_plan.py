@@ -232,11 +232,15 @@ def _tiny_llama_splits(world: int, ranks_per_node: int):
 
 def test_the_auto_layout_weighs_tensor_and_pipeline_splits_the_model_allows() -> None:
     profiles, left_out = _tiny_llama_splits(8, 8)
-    assert sorted(profiles) == [(1, 1), (1, 2), (1, 4), (2, 1), (4, 1)]
+    assert sorted(profiles) == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]  # tp x pp <= 8
     assert any(reason.startswith("pipeline stages 8: 8 pipeline stages but only 6 layer(s)") for reason in left_out)
     assert any(reason.startswith("tensor parallel 8:") for reason in left_out), left_out  # 4 heads
     assert profiles[(2, 1)].trainable < 0.6 * profiles[(1, 1)].trainable  # one rank's shard
     assert [len(profiles[(1, pp)].stages) for pp in (2, 4)] == [2, 4]
+    # composed: each stage holds its tensor-parallel shard of the stage's layers
+    whole, split = profiles[(1, 2)].stages, profiles[(2, 2)].stages
+    assert [s.blocks for s in split] == [s.blocks for s in whole]
+    assert all(0.4 * w.trainable < s.trainable < 0.6 * w.trainable for w, s in zip(whole, split))
     two_nodes, _ = _tiny_llama_splits(8, 4)
     assert (4, 1) in two_nodes and (8, 1) not in two_nodes  # tensor parallelism stays inside a node
 
@@ -369,6 +373,14 @@ def test_a_tensor_parallel_plan_splits_the_model_as_autotp_does(capsys, tmp_path
     out = capsys.readouterr().out
     assert "3,369,340,928 parameters" in out and "(dp 4 x tp 2 x pp 1)" in out
     assert not torch.distributed.is_initialized()
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 4,
+                                  "bf16": {"enabled": True}, "tensor_parallel": {"autotp_size": 2},
+                                  "pipeline": {"stages": 2}, "zero_optimization": {"stage": 1},
+                                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}))
+    assert main(["plan", str(config), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+                 "--seq-len", "1024"]) == 0
+    out = capsys.readouterr().out  # composed (3D): the fullest stage's tensor-parallel shard
+    assert "(dp 2 x tp 2 x pp 2)" in out and "pipeline stage" in out and "1,684,6" in out, out
 
 
 def test_a_pipeline_plan_takes_the_fullest_stage_with_its_micro_batches_in_flight(capsys, tmp_path) -> None:

@@ -57,9 +57,6 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
     tp = config.tensor_parallel.autotp_size
     tp = tp if isinstance(tp, int) and tp > 1 else 1
     pp = config.pipeline.stages if isinstance(config.pipeline.stages, int) else 1
-    if tp > 1 and pp > 1:
-        raise ConfigError("pipeline.stages", f"{pp} with tensor_parallel.autotp_size {tp}: zerotune plan models "
-                                             "tensor and pipeline parallelism apart so far, not composed (3D)")
     if world_size % (tp * pp):
         raise ConfigError("tensor_parallel.autotp_size" if tp > 1 else "pipeline.stages",
                           f"{tp * pp} model-parallel ranks do not divide the world size {world_size}")
@@ -144,8 +141,10 @@ def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: st
         raise PlanModelError(f"--seq-len {seq_len}: {type(model).__name__} takes at most {limit} positions "
                              "(its config's max_position_embeddings); plan a shorter sequence")
     try:
-        shares = tuple(stage_shares(model, pp)) if pp > 1 else ()
+        shares = tuple(stage_shares(model, pp)) if pp > 1 and tp == 1 else ()
         per_example = trace_activations(model, 1, seq_len, dtype=dtype, task=task, tp=tp)
+        if pp > 1 and tp > 1:  # stages of the split model: each stage's tensor-parallel shard
+            shares = tuple(stage_shares(model, pp))
     except (TypeError, ValueError) as error:  # the layout does not fit the model (no TP plan, no pipeline layers,
         # a factory model whose forward takes no input_ids / labels): say so in one line
         raise PlanModelError(f"{type(model).__name__} cannot be planned this way: {str(error).splitlines()[0]} "

@@ -1,14 +1,14 @@
-"""The model-parallel splits the auto layout weighs: tensor parallelism or pipeline stages, each profiled.
+"""The model-parallel splits the auto layout weighs: tensor parallelism, pipeline stages, and both, each profiled.
 
 A split is (tensor-parallel size, pipeline stages). Tensor parallelism stays inside a node (its all-reduces
 run on every block, over the node's fast links), so its size is a power of two up to the ranks per node
-that divides the world; pipeline stages are a power of two up to 8 that divides the world and leaves every
-stage a layer. The two are weighed apart, not composed (``zerotune plan`` models them apart).
+that divides the world; pipeline stages are a power of two up to 8 that leaves every stage a layer; a split
+uses tp x pp ranks, which must divide the world (the rest is data parallelism).
 
 Each tensor-parallel size needs its own trace (zerotune's ``apply_autotp`` splits the meta model, and the
-split forward is what is traced), so the model is built once per size; pipeline splits share the unsplit
-trace and only cut it into stages. A split the model does not allow (heads that do not divide, no layers
-``zerotune.pipe`` can cut) is left out, with the reason.
+split forward is what is traced), so the model is built once per size; the pipeline stages of a size cut
+that split model (its stages hold their tensor-parallel shards) and share its trace. A split the model does
+not allow (heads that do not divide, no layers ``zerotune.pipe`` can cut) is left out, with the reason.
 """
 
 from __future__ import annotations
@@ -29,24 +29,24 @@ def split_profiles(build: Callable[[], torch.nn.Module], seq_len: int, precision
                    ranks_per_node: int) -> tuple[dict[tuple[int, int], ModelProfile], list[str]]:
     """{(tp, pp): profile of one rank} for every split worth weighing, and why the others are left out.
     ``build`` makes a fresh meta model (a trace consumes the one it is given)."""
-    model = build()
     skipped: list[str] = []
-    stages: dict[int, tuple] = {}
-    for pp in SIZES:
-        if world % pp:
+    profiles: dict[tuple[int, int], ModelProfile] = {}
+    for tp in (1, *SIZES):
+        if tp > 1 and (tp > ranks_per_node or world % tp):
             continue
+        model = build()
         try:
-            stages[pp] = tuple(stage_shares(model, pp))
-        except (TypeError, ValueError) as error:  # no layers zerotune.pipe can cut, fewer layers than stages
-            skipped.append(f"pipeline stages {pp}: {str(error).splitlines()[0]}")
-    unsplit = profile_model(model, seq_len, precision, task)
-    profiles = {(1, 1): unsplit}
-    profiles.update({(1, pp): dataclasses.replace(unsplit, stages=shares) for pp, shares in stages.items()})
-    for tp in SIZES:
-        if tp > ranks_per_node or world % tp:
-            continue
-        try:
-            profiles[(tp, 1)] = profile_model(build(), seq_len, precision, task, tp=tp)
+            unstaged = profile_model(model, seq_len, precision, task, tp=tp)  # (after it, ``model`` is split)
         except PlanModelError as error:
             skipped.append(f"tensor parallel {tp}: {error}")
+            continue
+        profiles[(tp, 1)] = unstaged
+        for pp in SIZES:
+            if world % (tp * pp):
+                continue
+            try:
+                profiles[(tp, pp)] = dataclasses.replace(unstaged, stages=tuple(stage_shares(model, pp)))
+            except (TypeError, ValueError) as error:  # no layers zerotune.pipe can cut, fewer layers than stages
+                skipped.append(f"{f'tensor parallel {tp} x ' if tp > 1 else ''}pipeline stages {pp}: "
+                               f"{str(error).splitlines()[0]}")
     return profiles, skipped
