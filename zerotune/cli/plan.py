@@ -39,7 +39,8 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("config", help="DeepSpeed-style JSON/YAML config")
     parser.add_argument("--model", required=True, help="Hugging Face id (cached), directory or config.json, or "
                                                        "module:factory")
-    parser.add_argument("--world-size", type=int, required=True, help="ranks in all (data parallel x the config's tensor-parallel size x pipeline stages)")
+    parser.add_argument("--world-size", type=int, required=True,
+                        help="ranks in all (data parallel x the config's tensor-parallel size x pipeline stages)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over (host memory is per node)")
     parser.add_argument("--device-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
     parser.add_argument("--host-memory", default=None, help="host memory of one node, for offload")
