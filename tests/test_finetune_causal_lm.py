@@ -144,9 +144,12 @@ def test_unknown_prompt_column_is_one_clear_error(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_bundled_smollm2_lora_recipe_lowers_answer_loss_and_merges(tmp_path: Path) -> None:
+    """The bundled recipe, shortened to 20 of its 30 steps and 50 of its 100 held-out pairs to keep the suite
+    under 20 minutes (2 min instead of 4; 2.743 -> 1.666 when measured): the loss still falls by a quarter."""
     out = tmp_path / "smollm2"
     done = subprocess.run([sys.executable, "-m", "zerotune.cli.main", "finetune", str(SMOLLM2_RECIPE),
-                           "--output-dir", str(out), "--merge"], capture_output=True, text=True, timeout=900,
+                           "--output-dir", str(out), "--merge", "--set", "train.max_steps=20",
+                           "--set", "data.max_eval_samples=50"], capture_output=True, text=True, timeout=900,
                           cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
