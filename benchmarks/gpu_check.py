@@ -248,9 +248,6 @@ def _timed(step, steps: int, warmup: int) -> float:
 
 
 def throughput(args: argparse.Namespace, device: torch.device, peak_flops: float) -> list[Row]:
-    import zerotune
-    from zerotune.plan.memory import Layout, plan_rank
-
     seq, micro = 2048, args.micro_batch
     ids = _batches(1, micro, seq, LLAMA_1B["vocab_size"], device)[0]
     rows = []
@@ -266,7 +263,7 @@ def throughput(args: argparse.Namespace, device: torch.device, peak_flops: float
                     model = _llama(device, method == "lora", checkpointing)
                     multiplied = sum(p.numel() for n, p in model.named_parameters() if "embed_tokens" not in n)
                     per_token = flops_per_token(multiplied, LLAMA_1B["num_hidden_layers"], LLAMA_1B["hidden_size"], seq)
-                    step, planned = _runner(runner, model, ids, device, zerotune, Layout, plan_rank, method, checkpointing)
+                    step, planned = _runner(runner, model, ids, device, method, checkpointing)
                     seconds = _timed(step, args.steps, 3)
                     tokens = micro * seq / seconds
                     figures = {"tokens/s": tokens, "MFU": mfu(tokens, per_token, peak_flops),
@@ -281,8 +278,12 @@ def throughput(args: argparse.Namespace, device: torch.device, peak_flops: float
     return rows
 
 
-def _runner(runner, model, ids, device, zerotune, Layout, plan_rank, method, checkpointing):
-    """(one training step, the plan's predicted peak or None) for ``runner``."""
+def _runner(runner: str, model: torch.nn.Module, ids: torch.Tensor, device: torch.device, method: str,
+            checkpointing: bool) -> tuple:
+    """(one training step, the plan's predicted peak or None) for ``runner``: pytorch, fsdp2, ZeRO 0, ZeRO 3."""
+    import zerotune
+    from zerotune.plan.memory import Layout, plan_rank
+
     if runner in ("pytorch", "fsdp2"):
         model = model.to(device)
         if runner == "fsdp2":
