@@ -80,3 +80,26 @@ def test_two_stages_in_bf16_and_fp16_track_the_fp32_reference_within_2_percent(p
     for trace in run_distributed(_run, 2, "gpt2", 2, 1, 1, "1f1b", None, precision, timeout=180):
         for got, want in zip(trace.losses, expected.losses):
             assert abs(got - want) <= 0.02 * want
+
+
+def _held_by_the_model(kind: str) -> tuple[int, int, int]:
+    """(bytes of the HF model's tensors still real after initialize, bytes of the stage's tensors, whole model's bytes)."""
+    model = _make(kind)
+    whole = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
+    config = {"train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": GAS,
+              "pipeline": {"stages": 2}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}
+    engine, *_ = zerotune.initialize(model=model, config=config)
+    real = {id(t): t for t in (*model.parameters(), *model.buffers()) if t.device.type != "meta"}
+    stage = {id(t): t for t in (*engine.module.parameters(), *engine.module.buffers())}
+    assert real.keys() <= stage.keys()  # whatever the model still holds is this stage's
+    engine.train_batch(iter([gpt2_batch(0, m, ROWS) for m in range(GAS)]))  # and the stage still trains
+    return (sum(t.numel() * t.element_size() for t in real.values()),
+            sum(t.numel() * t.element_size() for t in stage.values()), whole)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_each_rank_of_a_pipeline_cut_from_an_hf_model_holds_its_stage_only(kind):
+    held = run_distributed(_held_by_the_model, 2, kind, timeout=120)
+    for real, stage, whole in held:
+        assert real == stage < whole
+    assert held[0][0] + held[1][0] >= held[0][2]  # the stages hold the model between them (GPT-2's tie on both)

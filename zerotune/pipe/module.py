@@ -183,6 +183,33 @@ class PipelineModule(nn.Module):
                 first_name = {index: name for index, name in reversed(uses)}
                 self.ties[key] = Tie(key, layers, [first_name[i] for i in layers])
 
+    def release_other_stages(self) -> int:
+        """Put on the meta device every parameter and buffer of a module layer another stage owns that no layer
+        of this stage uses; returns the bytes released.
+
+        For layers cut from a model every rank built whole (an HF model with ``"pipeline": {"stages": N}``):
+        the model, and ``layer_specs``, would otherwise keep the other stages' weights alive on every rank --
+        the memory pipeline parallelism exists to save. Tensors are swapped in their owning module, so the
+        model keeps its structure and shapes, and a weight shared with this stage (a tie, Llama's rotary
+        buffers) stays."""
+        local = [spec for index, spec in enumerate(self.layer_specs) if index in self.local_range]
+        kept = {id(t) for layer in local if isinstance(layer, nn.Module)
+                for t in (*layer.parameters(), *layer.buffers())}
+        released: dict[int, int] = {}
+        for index, layer in enumerate(self.layer_specs):
+            if index in self.local_range or not isinstance(layer, nn.Module):
+                continue
+            for module in layer.modules():
+                for table in (module._parameters, module._buffers):
+                    for name, tensor in table.items():
+                        if tensor is None or id(tensor) in kept or tensor.device.type == "meta":
+                            continue
+                        released[id(tensor)] = tensor.numel() * tensor.element_size()
+                        empty = torch.empty_like(tensor, device="meta")
+                        table[name] = nn.Parameter(empty, tensor.requires_grad) if isinstance(
+                            tensor, nn.Parameter) else empty
+        return sum(released.values())
+
     def local_tied_parameters(self) -> dict[str, nn.Parameter]:
         """Tie key -> this stage's copy of the tied weight, for ties that span several stages."""
         found = {}

@@ -6,7 +6,8 @@
   layers by the user's ``partition_config`` rules;
 * a Hugging Face model with ``"pipeline": {"stages": N}``: every rank holds the whole model with
   rank 0's weights (``initialize`` broadcast them), AutoTP splits it if asked, and
-  ``hf_layers.py`` cuts it into embedding / block / head layers, of which this rank keeps its stage's.
+  ``hf_layers.py`` cuts it into embedding / block / head layers, of which this rank keeps its stage's: the
+  other stages' weights go to the meta device, so a rank holds its stage only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from zerotune.config import ConfigError, NotSupportedYetError
 from zerotune.distributed import comm
 from zerotune.distributed.mesh import ProcessMesh
+from zerotune.monitor.logging import log_rank0
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.schedule import ScheduleError, build_schedule
 
@@ -96,6 +98,10 @@ def build_pipeline(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, split
         pipe.export_names = {}  # the HF names of each tensor, so save_16bit_model writes a from_pretrained file
         for name, tensor in model.state_dict(keep_vars=True).items():
             pipe.export_names.setdefault(id(tensor), []).append(name)
+        released = pipe.release_other_stages()
+        log_rank0("pipeline: the %s's weights of other stages are released on each rank (%.1f MiB on rank 0; they "
+                  "are on the meta device now): save through the engine (save_checkpoint, save_16bit_model)",
+                  type(model).__name__, released / 2**20, rank=dist.get_rank())
     groups = tie_groups(pipe, mesh)
     if isinstance(model, PipelineModule):
         _broadcast_tied(pipe, groups)
