@@ -271,6 +271,32 @@ def test_the_cost_model_charges_tensor_parallel_all_reduces_and_the_pipeline_bub
     assert bubble[1] == 4 * 2 * block_input  # each micro-batch's activations out, their gradients back
 
 
+def test_a_pipeline_step_takes_the_slowest_stage_and_each_stage_all_reduces_its_own_blocks() -> None:
+    """The tiny Llama's 2 stages hold about the same parameters, but the first only looks its embedding up while
+    the last multiplies by its head: the last sets the step time. Under TP 2 x PP 2, a rank all-reduces its own
+    stage's 2 blocks, not the model's 4."""
+    from zerotune.plan.auto import Hardware, candidates, stage_profiles, step_seconds
+    from zerotune.plan.memory import Layout
+
+    profiles, _ = _tiny_llama_splits(4, 4)
+    hardware = Hardware(device_memory=2**30, flops=50e9, bandwidth=5e9, intra_node_bandwidth=10e9)
+    piped = Layout(stage=1, dp=2, pp=2, precision="fp32", micro_batch=2, gas=4)
+    first, last = stage_profiles(profiles[(1, 2)], piped)
+    assert first.lookup == first.embedding > 0 and last.lookup == 0
+    first_s, last_s = (step_seconds(piped, held, 4, False, hardware)[0] for held in (first, last))
+    assert last_s > 2 * first_s
+    chosen = next(c for c in candidates(profiles[(1, 2)], piped, 8, hardware, micro_batches=[2], checkpointing=(False,),
+                                        vary_offload=False) if c.layout.stage == 1)
+    assert chosen.seconds == last_s
+    composed = Layout(stage=0, dp=1, tp=2, pp=2, precision="fp32", micro_batch=2, gas=4)
+    shares = stage_profiles(profiles[(2, 2)], composed)
+    assert [len(held.stages[0].blocks) for held in shares] == [2, 2]
+    block_input = 2 * profiles[(2, 2)].per_example.block_inputs[0]
+    tensor_parallel = 4 * 2 * 4 * 2 * (2 - 1) / 2 * block_input  # 4 micro-steps x 2 blocks x 4 all-reduces
+    pipeline = 4 * 2 * block_input
+    assert step_seconds(composed, shares[0], 4, False, hardware)[1] == tensor_parallel + pipeline
+
+
 def test_across_splits_a_larger_budget_never_picks_a_slower_layout_and_the_budget_decides_the_split() -> None:
     """Over splits (tensor-parallel size, pipeline stages) the chooser trades communication for time, so the
     data-parallel property of test_a_larger_budget_never_picks_a_layout_with_more_communication is not a law

@@ -8,7 +8,7 @@ step time from a cost model:
 
 * compute: 6 flops per parameter the rank holds per token (forward + backward; an input embedding that is
   only looked up, none), 8 with activation
-  checkpointing (the forward runs again), over the device's flops; with ``p`` pipeline stages the fullest
+  checkpointing (the forward runs again), over the device's flops; with ``p`` pipeline stages the slowest
   stage's compute, stretched by the 1F1B bubble to (accumulation + p - 1) micro-batches;
 * data-parallel communication per rank, ring collectives moving (N - 1) / N of the buffer: stage 0
   all-reduces the fp32 gradients once per step (2 x 4 bytes per trainable parameter); stage 1
@@ -16,7 +16,7 @@ step time from a cost model:
   all-gathers once; stage 3 gathers the parameters twice and reduce-scatters the gradients every
   micro-step -- over the given bandwidth; the gradient buckets zerotune reduces while the backward runs
   cost only what exceeds that backward's compute;
-* tensor parallelism: every block all-reduces its output twice in the forward and twice in the backward
+* tensor parallelism: every block (of the rank's stage) all-reduces its output twice in the forward and twice in the backward
   (three times each way with checkpointing: the forward runs again), each all-reduce moving 2 (t - 1) / t of
   one block input (the traced bytes), over the node's links (``intra_node_bandwidth``);
 * pipeline: each micro-batch's activations go to the next stage and their gradients come back (one block
@@ -109,7 +109,7 @@ def communication_bytes(layout: Layout, trainable: int, params: int, gas: int) -
 def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing: bool,
                  hardware: Hardware) -> tuple[float, float, float]:
     """(modeled seconds per optimizer step, bytes communicated per rank, seconds of that communication compute
-    does not hide); ``profile``: what this rank holds (with pipeline stages, the fullest stage's share)."""
+    does not hide); ``profile``: what this rank holds (with pipeline stages, one stage's: ``stage_profiles``)."""
     params = profile.trainable + profile.frozen
     multiplied = params - profile.lookup  # an embedding lookup costs no flops per parameter
     tokens = layout.micro_batch * profile.seq_len
@@ -124,8 +124,8 @@ def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing:
     communicating = exposed / hardware.bandwidth + max(0.0, overlapped / hardware.bandwidth - window)
     comm = overlapped + exposed
     block_input = layout.micro_batch * (profile.per_example.block_inputs[0] if profile.per_example.block_inputs else 0)
-    if layout.tp > 1:
-        blocks = len(profile.per_example.block_saved)
+    if layout.tp > 1:  # the blocks this rank runs: its stage's when pipelined
+        blocks = len(profile.stages[0].blocks) if profile.stages else len(profile.per_example.block_saved)
         all_reduces = gas * blocks * (6 if checkpointing else 4)
         tensor_parallel = all_reduces * 2 * (layout.tp - 1) / layout.tp * block_input
         communicating += tensor_parallel / hardware.intra_node_bandwidth
@@ -143,6 +143,17 @@ def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing:
         width = 2 if layout.precision in ("bf16", "fp16") else 4
         seconds += gas * 2 * width * params / layout.dp / hardware.host_bandwidth
     return seconds, comm, communicating
+
+
+def stage_profiles(profile: ModelProfile, layout: Layout) -> list[ModelProfile]:
+    """What one rank of each pipeline stage multiplies and runs: its stage's parameters (the input embedding
+    only looked up, on the first stage) and blocks (``stages`` = that stage's share); the whole profile when
+    not pipelined. The stages' memory differs from their compute (the head stage's logits, the first
+    stage's lookup), so the fullest stage sets the memory and the slowest the time."""
+    if layout.pp == 1 or not profile.stages:
+        return [profile]
+    return [dataclasses.replace(profile, trainable=share.trainable, frozen=share.frozen, stages=(share,),
+                                lookup=profile.embedding if share.index == 0 else 0) for share in profile.stages]
 
 
 def candidates(profile: ModelProfile, base: Layout, per_rank_batch: int, hardware: Hardware,
@@ -165,11 +176,10 @@ def candidates(profile: ModelProfile, base: Layout, per_rank_batch: int, hardwar
                 gas = max(1, per_rank_batch // micro)
                 layout = dataclasses.replace(base, stage=stage, micro_batch=micro, gas=gas,
                                              offload_optimizer=offload_optimizer, offload_param=offload_param)
-                plan = plan_from_profile(profile, layout)
-                held = dataclasses.replace(profile, trainable=plan.trainable, frozen=plan.frozen,
-                                           lookup=plan.lookup)  # a pipeline stage's share
-                for ckpt in checkpointing:
-                    seconds, comm, communicating = step_seconds(layout, held, gas, ckpt, hardware)
+                plan = plan_from_profile(profile, layout)  # the fullest rank's memory
+                for ckpt in checkpointing:  # the slowest rank's time (pipeline stages wait for each other)
+                    seconds, comm, communicating = max(step_seconds(layout, held, gas, ckpt, hardware)
+                                                       for held in stage_profiles(profile, layout))
                     result.append(Candidate(layout, ckpt, gas, plan.total("device", ckpt), plan.total("host"), comm,
                                             seconds, communicating))
     return result
