@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -356,9 +357,20 @@ def test_a_model_parallel_auto_layout_fits_its_budget_when_it_runs(budget_mib, r
     assert measured <= budget_mib * 2**20, (measured / 2**20, choice.explain())
 
 
-def _auto_engine() -> tuple[int, float]:
+def _auto_engine() -> tuple[int, float, object, int]:
+    import sys
+
     import zerotune
 
+    initialize_module = sys.modules["zerotune.initialize"]  # (the package's ``initialize`` is the function)
+    seen = []
+    choose_at_initialize = initialize_module.choose_stage_at_initialize
+
+    def spy(model, config, dp, device, measured):  # what initialize measured on the ranks, as it passed it on
+        seen.append(measured)
+        return choose_at_initialize(model, config, dp, device, measured)
+
+    initialize_module.choose_stage_at_initialize = spy
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh(), torch.nn.Linear(64, 1))
     engine, *_ = zerotune.initialize(model=model, config={
@@ -369,20 +381,26 @@ def _auto_engine() -> tuple[int, float]:
     engine.step()
     stage = engine.zero_optimization_stage()
     engine.destroy()
-    return stage, loss.item()
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return stage, loss.item(), seen[0], memory
 
 
-def test_initialize_with_stage_auto_takes_the_plans_choice(caplog) -> None:
-    from zerotune.plan.auto import Hardware, choose
+def test_initialize_with_stage_auto_takes_the_plans_choice_for_the_measured_link_and_device() -> None:
     from zerotune.plan.activations import ActivationProfile
+    from zerotune.plan.auto import Hardware, choose
     from zerotune.plan.memory import Layout, ModelProfile
 
-    stage, loss = run_distributed(_auto_engine, 2, timeout=120)[0]
-    # plenty of memory for a tiny model: the least communication per step is ZeRO 1 (stage 0 all-reduces fp32)
+    results = run_distributed(_auto_engine, 2, timeout=120)
+    measured = [result[2] for result in results]
+    assert measured[0] == measured[1]  # every rank plans with the slowest rank's figures: the same choice
+    assert measured[0].group_size == 2 and measured[0].bandwidth > 1e6 and measured[0].flops > 1e8
+    stage, loss, figures, memory = results[0]
     profile = ModelProfile(64 * 64 + 64 + 64 + 1, 0, 64 * 64 + 64, ActivationProfile(0), 1, 4)
     expected = choose(profile, Layout(stage=0, dp=2, precision="fp32", micro_batch=2), 2,
-                      Hardware(device_memory=2**34), micro_batches=[2], checkpointing=(False,), vary_offload=False)
-    assert stage == expected.best.layout.stage and stage in (1, 2) and loss == loss
+                      Hardware(device_memory=memory, flops=figures.flops, bandwidth=figures.bandwidth),
+                      micro_batches=[2], checkpointing=(False,), vary_offload=False)
+    # plenty of memory for a tiny model: stage 0 all-reduces fp32 gradients, 1 and 2 half of that both ways
+    assert stage == expected.best.layout.stage and loss == loss
 
 
 def test_a_tensor_parallel_plan_splits_the_model_as_autotp_does(capsys, tmp_path) -> None:

@@ -34,6 +34,7 @@ from zerotune.parallel.activation_checkpointing import configure as configure_ac
 from zerotune.optim.onebit_adam import OneBitAdam
 from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
 from zerotune.plan.auto import choose_stage_at_initialize
+from zerotune.plan.measure import measure as measure_hardware
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import policy_from_flags
 from zerotune.zero.build import build_zero_state, gradient_compressor
@@ -185,10 +186,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     mesh = build_mesh(parallel_dims(raw, env.world_size, model), env.device.type)
     auto_values = _auto_values(raw, model)
     if raw.zero_optimization.stage == "auto":  # the plan's choice (zerotune/plan/auto.py), logged with its reason
-        choice = choose_stage_at_initialize(model, raw, mesh.size("dp"), env.device)
+        dtype = torch.bfloat16 if raw.bf16.enabled else torch.float16 if raw.fp16.enabled else torch.float32
+        measured = measure_hardware(mesh.group("dp_sp"), mesh.size("dp") * mesh.size("sp"), env.device, dtype)
+        choice = choose_stage_at_initialize(model, raw, mesh.size("dp") * mesh.size("sp"), env.device, measured)
         auto_values["zero_optimization.stage"] = choice.best.layout.stage
-        log_rank0("zero_optimization.stage auto (activations not counted: initialize does not know the sequence "
-                  "length; zerotune plan --seq-len does):\n%s", choice.explain(), rank=env.rank)
+        log_rank0("zero_optimization.stage auto (%s; activations not counted: initialize does not know the "
+                  "sequence length, zerotune plan --seq-len does):\n%s", measured.describe(), choice.explain(),
+                  rank=env.rank)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=auto_values)
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
     if cfg.comm_timeout_s is None:  # (process-wide: the latest engine's setting holds)

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from zerotune.plan.measure import Measured
 from zerotune.plan.memory import Layout, ModelProfile, plan_from_profile
 
 HOST_OPTIMIZER_PARAMS_PER_S = 1e9  # parameters a host Adam updates per second per rank (order of magnitude)
@@ -261,11 +262,13 @@ def _kind(candidate: Candidate) -> tuple:
     return layout.tp, layout.pp, layout.stage, layout.offload_optimizer, layout.offload_param, candidate.checkpointing
 
 
-def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, device: torch.device) -> Choice:
+def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, device: torch.device,
+                               measured: Measured) -> Choice:
     """``initialize`` with ``"stage": "auto"``: the same choice for the live model, over the ZeRO stages with
-    the config's micro-batch, accumulation, precision and offload. Activations are not in it (initialize
-    does not know the sequence length; ``zerotune plan --seq-len`` does), so the device budget is the
-    device's memory (CUDA) or this rank's share of the host's (CPU)."""
+    the config's micro-batch, accumulation, precision and offload, for the bandwidth and flops ``measured``
+    on the job's own ranks (``measure.py``). Activations are not in it (initialize does not know the
+    sequence length; ``zerotune plan --seq-len`` does), so the device budget is the device's memory (CUDA)
+    or this rank's share of the host's (CPU)."""
     from zerotune.plan.activations import ActivationProfile
     from zerotune.plan.memory import largest_unit_params
     from zerotune.plan.meta_model import parameter_counts
@@ -287,5 +290,7 @@ def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, dev
     else:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local
-    return choose(profile, base, base.micro_batch * base.gas, Hardware(device_memory=memory),
+    hardware = Hardware(device_memory=memory, flops=measured.flops,
+                        bandwidth=measured.bandwidth or Hardware.bandwidth)  # (no traffic at dp 1: any figure)
+    return choose(profile, base, base.micro_batch * base.gas, hardware,
                   micro_batches=[base.micro_batch], checkpointing=(False,), vary_offload=False)
