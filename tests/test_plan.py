@@ -298,6 +298,27 @@ def test_a_pipeline_step_takes_the_slowest_stage_and_each_stage_all_reduces_its_
     assert step_seconds(composed, shares[0], 4, False, hardware)[1] == tensor_parallel + pipeline
 
 
+def test_the_auto_layout_never_weighs_a_layout_the_engine_refuses() -> None:
+    """Tensor parallelism composes with ZeRO 0-2, pipelines with ZeRO 0-2 and offload at ZeRO 1 only: the plan
+    weighs what parallel/composition.py (the engine's rule) allows, so it cannot choose what initialize refuses."""
+    from zerotune.parallel.composition import refusal
+    from zerotune.plan.auto import Hardware, candidates
+    from zerotune.plan.memory import Layout
+
+    profiles, _ = _tiny_llama_splits(4, 4)
+    hardware = Hardware(device_memory=2**30, flops=50e9, bandwidth=5e9)
+    weighed = {}
+    for (tp, pp), profile in profiles.items():
+        base = Layout(stage=0, dp=4 // (tp * pp), tp=tp, pp=pp, precision="fp32", micro_batch=1)
+        for candidate in candidates(profile, base, 4, hardware):
+            layout = candidate.layout
+            assert refusal(layout.stage, layout.offload_optimizer, tp, pp, 1) is None, candidate.describe()
+            weighed.setdefault((tp, pp), set()).add((layout.stage, layout.offload_optimizer))
+    assert weighed[(2, 1)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu")}
+    assert weighed[(1, 2)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none")}
+    assert (3, "cpu") in weighed[(1, 1)]
+
+
 def test_across_splits_a_larger_budget_never_picks_a_slower_layout_and_the_budget_decides_the_split() -> None:
     """Over splits (tensor-parallel size, pipeline stages) the chooser trades communication for time, so the
     data-parallel property of test_a_larger_budget_never_picks_a_layout_with_more_communication is not a law
@@ -366,9 +387,9 @@ def _auto_engine() -> tuple[int, float, object, int]:
     seen = []
     choose_at_initialize = initialize_module.choose_stage_at_initialize
 
-    def spy(model, config, dp, device, measured):  # what initialize measured on the ranks, as it passed it on
+    def spy(model, config, dp, device, measured, **split):  # what initialize measured on the ranks, as passed on
         seen.append(measured)
-        return choose_at_initialize(model, config, dp, device, measured)
+        return choose_at_initialize(model, config, dp, device, measured, **split)
 
     initialize_module.choose_stage_at_initialize = spy
     torch.manual_seed(0)

@@ -11,6 +11,7 @@ import torch
 from zerotune.config import ConfigError, NotSupportedYetError
 from zerotune.distributed.mesh import ParallelDims, ProcessMesh
 from zerotune.monitor.logging import log_rank0
+from zerotune.parallel.composition import refusal
 from zerotune.parallel.sequence.ulysses_attention import install_ulysses_attention
 from zerotune.parallel.tensor.autotp import apply_autotp
 from zerotune.parallel.tensor.layout import tp_layout_of
@@ -40,10 +41,11 @@ def parallel_dims(raw: Any, world_size: int, model: torch.nn.Module) -> Parallel
 
 
 def check_model_parallel_composes(cfg: Any, mesh: ProcessMesh) -> None:
-    if mesh.size("tp") > 1 and cfg.zero_optimization.stage == 3:
-        raise NotSupportedYetError("zero_optimization.stage", f"3 with tensor_parallel.autotp_size {mesh.size('tp')} "
-                                   "is not supported yet: tensor parallelism composes with ZeRO stages 0, 1 and 2 "
-                                   "(as DeepSpeed's AutoTP training)")
+    """What zerotune cannot run together yet fails now, naming the key (the rule: parallel/composition.py)."""
+    refused = refusal(cfg.zero_optimization.stage, cfg.zero_optimization.offload_optimizer.device, mesh.size("tp"),
+                      mesh.size("pp"), mesh.size("sp"))
+    if refused is not None:
+        raise NotSupportedYetError(*refused)
 
 
 def split_tensor_parallel(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, rank: int) -> None:

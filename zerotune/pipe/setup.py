@@ -17,7 +17,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from zerotune.config import ConfigError, NotSupportedYetError
+from zerotune.config import ConfigError
 from zerotune.distributed import comm
 from zerotune.distributed.mesh import ProcessMesh
 from zerotune.monitor.logging import log_rank0
@@ -26,20 +26,9 @@ from zerotune.pipe.schedule import ScheduleError, build_schedule
 
 
 def check_pipeline_composes(cfg: Any, mesh: ProcessMesh) -> None:
+    """The schedule runs with the config's micro-batches (what composes with a pipeline: parallel/composition.py)."""
     if mesh.size("pp") == 1:
         return
-    stage = cfg.zero_optimization.stage
-    if stage not in (0, 1, 2):
-        raise NotSupportedYetError("zero_optimization.stage", f"{stage} with pipeline parallelism is not supported "
-                                   "yet: stages 0-2 compose with pipelines (ZeRO-3 would gather every unit once "
-                                   "per micro-batch and pass)")
-    if stage == 2 and cfg.zero_optimization.offload_optimizer.device != "none":
-        raise NotSupportedYetError("zero_optimization.offload_optimizer.device", "optimizer offload with pipeline "
-                                   "parallelism at ZeRO stage 2 is not supported yet (tied weights are summed over "
-                                   "the stages after the gradient slices reach the host); use stage 1")
-    if mesh.size("sp") > 1:
-        raise NotSupportedYetError("sequence_parallel_size", "sequence parallelism together with pipeline "
-                                   "parallelism is not supported yet")
     try:  # micro-batches = gradient_accumulation_steps: a schedule that cannot run fails now, not at step 1
         build_schedule(cfg.pipeline.schedule, cfg.gradient_accumulation_steps, mesh.size("pp"), 0)
     except ScheduleError as error:

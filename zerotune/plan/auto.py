@@ -1,8 +1,8 @@
 """``"zero_optimization": {"stage": "auto"}`` and ``zerotune plan --auto``: the fastest layout that fits.
 
 Candidates: tensor-parallel size or pipeline stages (``splits.py``; ``zerotune plan --auto`` only), ZeRO
-stage 0-3, optimizer offload to the host (and, at stage 3, parameter offload), activation checkpointing on
-or off, and every micro-batch that divides each data-parallel replica's share of the global batch (the rest
+stage 0-3, optimizer offload to the host (and, at stage 3, parameter offload) -- as far as they compose
+(``parallel/composition.py``: the engine's own rule) -- activation checkpointing on or off, and every micro-batch that divides each data-parallel replica's share of the global batch (the rest
 is gradient accumulation). Each candidate's per-rank memory comes from ``memory.plan_from_profile``; its
 step time from a cost model:
 
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from zerotune.parallel.composition import refusal
 from zerotune.plan.measure import Measured
 from zerotune.plan.memory import Layout, ModelProfile, plan_from_profile
 
@@ -166,13 +167,15 @@ def candidates(profile: ModelProfile, base: Layout, per_rank_batch: int, hardwar
     ``vary_offload`` False keeps ``base``'s offload settings."""
     result = []
     micros = micro_batches or [m for m in range(1, per_rank_batch + 1) if per_rank_batch % m == 0]
-    for stage in (0, 1, 2) if base.pp > 1 else (0, 1, 2, 3):  # zerotune.pipe composes with ZeRO 0-2
+    for stage in (0, 1, 2, 3):
         offloads = [("none", "none"), ("cpu", "none")] + ([("cpu", "cpu")] if stage == 3 else [])
         if not vary_offload:
             offloads = [(base.offload_optimizer, base.offload_param if stage == 3 else "none")]
         for offload_optimizer, offload_param in offloads:
-            if offload_optimizer != "none" and (stage == 0 or (base.pp > 1 and stage != 1)):
-                continue  # offload needs a partitioned optimizer; pipelines offload at ZeRO 1 only
+            if offload_optimizer != "none" and stage == 0:
+                continue  # offload needs a partitioned optimizer
+            if refusal(stage, offload_optimizer, base.tp, base.pp, 1) is not None:
+                continue  # a layout the engine would refuse (parallel/composition.py)
             for micro in micros:
                 gas = max(1, per_rank_batch // micro)
                 layout = dataclasses.replace(base, stage=stage, micro_batch=micro, gas=gas,
@@ -263,9 +266,10 @@ def _kind(candidate: Candidate) -> tuple:
 
 
 def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, device: torch.device,
-                               measured: Measured) -> Choice:
+                               measured: Measured, tp: int = 1, pp: int = 1) -> Choice:
     """``initialize`` with ``"stage": "auto"``: the same choice for the live model, over the ZeRO stages with
-    the config's micro-batch, accumulation, precision and offload, for the bandwidth and flops ``measured``
+    the config's micro-batch, accumulation, precision, offload and ``tp`` / ``pp`` sizes (the stages those
+    compose with), for the bandwidth and flops ``measured``
     on the job's own ranks (``measure.py``). Activations are not in it (initialize does not know the
     sequence length; ``zerotune plan --seq-len`` does), so the device budget is the device's memory (CUDA)
     or this rank's share of the host's (CPU)."""
@@ -278,7 +282,8 @@ def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, dev
 
     zero = config.zero_optimization
     precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
-    base = Layout(stage=0, dp=dp, precision=precision, micro_batch=number(config.train_micro_batch_size_per_gpu),
+    base = Layout(stage=0, dp=dp, tp=tp, pp=pp, precision=precision,
+                  micro_batch=number(config.train_micro_batch_size_per_gpu),
                   gas=number(config.gradient_accumulation_steps),
                   optimizer=config.optimizer.type if config.optimizer is not None else "adamw",
                   offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device)

@@ -1,0 +1,27 @@
+"""Which ZeRO stages, offloads and parallel sizes zerotune runs together: one rule for the engine and the plan.
+
+``initialize`` refuses a combination this module refuses (``NotSupportedYetError`` naming the key), and
+``zerotune plan --auto`` / ``"stage": "auto"`` never choose one -- a plan that picked a layout the engine then
+refused would be worse than no plan.
+"""
+
+from __future__ import annotations
+
+
+def refusal(stage: int, offload_optimizer: str, tp: int, pp: int, sp: int) -> tuple[str, str] | None:
+    """(config key, why) when zerotune cannot run this combination yet; None when it can."""
+    if pp > 1:
+        if stage not in (0, 1, 2):
+            return ("zero_optimization.stage", f"{stage} with pipeline parallelism is not supported yet: stages 0-2 "
+                    "compose with pipelines (ZeRO-3 would gather every unit once per micro-batch and pass)")
+        if stage == 2 and offload_optimizer != "none":
+            return ("zero_optimization.offload_optimizer.device", "optimizer offload with pipeline parallelism at "
+                    "ZeRO stage 2 is not supported yet (tied weights are summed over the stages after the gradient "
+                    "slices reach the host); use stage 1")
+        if sp > 1:
+            return ("sequence_parallel_size", "sequence parallelism together with pipeline parallelism is not "
+                    "supported yet")
+    if tp > 1 and stage == 3:
+        return ("zero_optimization.stage", f"3 with tensor_parallel.autotp_size {tp} is not supported yet: tensor "
+                "parallelism composes with ZeRO stages 0, 1 and 2 (as DeepSpeed's AutoTP training)")
+    return None
