@@ -2,8 +2,8 @@
 
     python benchmarks/bench_plan_accuracy.py [--cases all|NAME,...]
 
-Data parallel over 2 ranks, or tensor parallel (``tp``) or two pipeline stages (``pp``) over both; the
-fullest rank is compared. For each case, the prediction is ``plan_rank`` on the model built on the meta device: model state, buckets,
+Data parallel over 2 ranks, or tensor parallel (``tp``), two pipeline stages (``pp``) or sequence parallel
+(``sp``, Ulysses) over both; the fullest rank is compared. For each case, the prediction is ``plan_rank`` on the model built on the meta device: model state, buckets,
 activations (checkpointed or not, as the case trains), the largest stage-3 unit's gather and the loss
 logits peak. The measurement is an actual 2-rank CPU run of two optimizer steps on the same model and
 config, under ``tests/memory_probe.PeakTensorBytes``: the most bytes of tensor storage alive at once,
@@ -61,6 +61,7 @@ class Case:
     bucket: int | None = None  # reduce / all-gather / prefetch bucket elements; None: the config defaults
     tp: int = 1  # tensor-parallel size (of the 2 ranks)
     pp: int = 1  # pipeline stages (of the 2 ranks); trained with train_batch over ``gas`` micro-batches
+    sp: int = 1  # sequence-parallel (Ulysses) size: each rank runs seq / sp tokens of every sequence
     gas: int = 1
     world: int = WORLD  # ranks (4 for tensor parallelism and pipeline stages composed)
 
@@ -71,6 +72,7 @@ class Case:
         return {"train_micro_batch_size_per_gpu": self.micro, "steps_per_print": 1000,
                 "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}, "bf16": {"enabled": self.precision == "bf16"},
                 "tensor_parallel": {"autotp_size": self.tp}, "pipeline": {"stages": self.pp},
+                "sequence_parallel_size": self.sp,
                 "gradient_accumulation_steps": self.gas,
                 "zero_optimization": {"stage": self.stage, "offload_optimizer": {"device": self.offload},
                                       **({"reduce_bucket_size": self.bucket, "allgather_bucket_size": self.bucket,
@@ -91,6 +93,8 @@ CASES = [
     Case("llama-20M pp2 fp32", "llama", 256, 4, 0, "fp32", pp=2, gas=4),
     Case("gpt2-30M pp2 z1 bf16", "gpt2", 384, 6, 1, "bf16", pp=2, gas=4, micro=2),
     Case("llama-20M tp2 x pp2 fp32", "llama", 256, 4, 0, "fp32", tp=2, pp=2, gas=4, world=4),
+    Case("llama-20M sp2 fp32 seq512", "llama", 256, 4, 0, "fp32", sp=2, micro=2, seq=512),
+    Case("gpt2-30M sp2 z3 bf16 seq512", "gpt2", 384, 6, 3, "bf16", sp=2, micro=2, seq=512),
 ]
 
 
@@ -123,7 +127,8 @@ def predict(case: Case) -> int:
 
     with torch.device("meta"):
         model = case.model()
-    layout = Layout(stage=case.stage, dp=case.world // (case.tp * case.pp), tp=case.tp, pp=case.pp, gas=case.gas,
+    layout = Layout(stage=case.stage, dp=case.world // (case.tp * case.pp * case.sp), tp=case.tp, pp=case.pp,
+                    sp=case.sp, gas=case.gas,
                     precision=case.precision, micro_batch=case.micro, offload_optimizer=case.offload)
     plan = plan_rank(model, layout, case.seq)  # the fullest rank's
     return plan.total("device", case.checkpointing) + plan.total("host")  # one memory on CPU

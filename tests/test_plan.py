@@ -221,29 +221,32 @@ def test_the_auto_layout_fits_its_budget_when_it_runs(budget_mib) -> None:
     assert measured <= budget_mib * 2**20, (measured / 2**20, choice.explain())
 
 
-def _tiny_llama_splits(world: int, ranks_per_node: int):
+def _tiny_llama_splits(world: int, ranks_per_node: int, seq: int = 128):
     from benchmarks.bench_plan_accuracy import llama
     from zerotune.plan.splits import split_profiles
 
     def build() -> torch.nn.Module:
         with torch.device("meta"):
             return llama(256, 4)
-    return split_profiles(build, 128, "fp32", "causal-lm", world, ranks_per_node)
+    return split_profiles(build, seq, "fp32", "causal-lm", world, ranks_per_node)
 
 
 def test_the_auto_layout_weighs_tensor_and_pipeline_splits_the_model_allows() -> None:
     profiles, left_out = _tiny_llama_splits(8, 8)
-    assert sorted(profiles) == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4), (4, 1), (4, 2)]  # tp x pp <= 8
+    assert sorted(profiles) == [(1, 1, 1), (1, 1, 2), (1, 1, 4), (1, 2, 1), (1, 4, 1), (2, 1, 1), (2, 2, 1), (2, 4, 1),
+                                (4, 1, 1), (4, 2, 1)]  # tp x pp <= 8; sp alone, up to the 4 heads
+    assert any(reason.startswith("sequence parallel 8:") and "divisible" in reason for reason in left_out), left_out
     assert any(reason.startswith("pipeline stages 8: 8 pipeline stages but only 6 layer(s)") for reason in left_out)
     assert any(reason.startswith("tensor parallel 8:") for reason in left_out), left_out  # 4 heads
-    assert profiles[(2, 1)].trainable < 0.6 * profiles[(1, 1)].trainable  # one rank's shard
-    assert [len(profiles[(1, pp)].stages) for pp in (2, 4)] == [2, 4]
+    assert profiles[(2, 1, 1)].trainable < 0.6 * profiles[(1, 1, 1)].trainable  # one rank's shard
+    assert [len(profiles[(1, pp, 1)].stages) for pp in (2, 4)] == [2, 4]
     # composed: each stage holds its tensor-parallel shard of the stage's layers
-    whole, split = profiles[(1, 2)].stages, profiles[(2, 2)].stages
+    whole, split = profiles[(1, 2, 1)].stages, profiles[(2, 2, 1)].stages
     assert [s.blocks for s in split] == [s.blocks for s in whole]
     assert all(0.4 * w.trainable < s.trainable < 0.6 * w.trainable for w, s in zip(whole, split))
     two_nodes, _ = _tiny_llama_splits(8, 4)
-    assert (4, 1) in two_nodes and (8, 1) not in two_nodes  # tensor parallelism stays inside a node
+    assert (4, 1, 1) in two_nodes and (8, 1, 1) not in two_nodes  # tensor parallelism stays inside a node
+    assert (1, 1, 4) in two_nodes and (1, 1, 8) not in two_nodes  # so does sequence parallelism
 
 
 def test_the_cost_model_charges_tensor_parallel_all_reduces_and_the_pipeline_bubble() -> None:
@@ -254,7 +257,7 @@ def test_the_cost_model_charges_tensor_parallel_all_reduces_and_the_pipeline_bub
 
     profiles, _ = _tiny_llama_splits(2, 2)
     hardware = Hardware(device_memory=2**30, flops=50e9, bandwidth=5e9, intra_node_bandwidth=10e9)
-    tp = profiles[(2, 1)]
+    tp = profiles[(2, 1, 1)]
     layout = Layout(stage=0, dp=1, tp=2, precision="fp32", micro_batch=2, gas=4)
     seconds, sent, communicating = step_seconds(layout, tp, 4, False, hardware)
     block_input = 2 * tp.per_example.block_inputs[0]  # micro-batch 2: (2, 128, 256) fp32
@@ -262,7 +265,7 @@ def test_the_cost_model_charges_tensor_parallel_all_reduces_and_the_pipeline_bub
     assert sent == 4 * 4 * 4 * block_input  # 4 micro-steps x 4 blocks x 4 all-reduces (2 forward, 2 backward)
     assert communicating == pytest.approx(sent / 10e9)  # over the node's links; dp 1: no gradient traffic
     assert step_seconds(layout, tp, 4, True, hardware)[1] == 1.5 * sent  # the recomputed forward all-reduces too
-    unsplit = profiles[(1, 1)]
+    unsplit = profiles[(1, 1, 1)]
     half = dataclasses.replace(unsplit, trainable=unsplit.trainable // 2)
     piped = Layout(stage=0, dp=1, pp=2, precision="fp32", micro_batch=2, gas=4)
     one_stage = Layout(stage=0, dp=1, precision="fp32", micro_batch=2, gas=4)
@@ -282,17 +285,17 @@ def test_a_pipeline_step_takes_the_slowest_stage_and_each_stage_all_reduces_its_
     profiles, _ = _tiny_llama_splits(4, 4)
     hardware = Hardware(device_memory=2**30, flops=50e9, bandwidth=5e9, intra_node_bandwidth=10e9)
     piped = Layout(stage=1, dp=2, pp=2, precision="fp32", micro_batch=2, gas=4)
-    first, last = stage_profiles(profiles[(1, 2)], piped)
+    first, last = stage_profiles(profiles[(1, 2, 1)], piped)
     assert first.lookup == first.embedding > 0 and last.lookup == 0
     first_s, last_s = (step_seconds(piped, held, 4, False, hardware)[0] for held in (first, last))
     assert last_s > 2 * first_s
-    chosen = next(c for c in candidates(profiles[(1, 2)], piped, 8, hardware, micro_batches=[2], checkpointing=(False,),
+    chosen = next(c for c in candidates(profiles[(1, 2, 1)], piped, 8, hardware, micro_batches=[2], checkpointing=(False,),
                                         vary_offload=False) if c.layout.stage == 1)
     assert chosen.seconds == last_s
     composed = Layout(stage=0, dp=1, tp=2, pp=2, precision="fp32", micro_batch=2, gas=4)
-    shares = stage_profiles(profiles[(2, 2)], composed)
+    shares = stage_profiles(profiles[(2, 2, 1)], composed)
     assert [len(held.stages[0].blocks) for held in shares] == [2, 2]
-    block_input = 2 * profiles[(2, 2)].per_example.block_inputs[0]
+    block_input = 2 * profiles[(2, 2, 1)].per_example.block_inputs[0]
     tensor_parallel = 4 * 2 * 4 * 2 * (2 - 1) / 2 * block_input  # 4 micro-steps x 2 blocks x 4 all-reduces
     pipeline = 4 * 2 * block_input
     assert step_seconds(composed, shares[0], 4, False, hardware)[1] == tensor_parallel + pipeline
@@ -308,15 +311,15 @@ def test_the_auto_layout_never_weighs_a_layout_the_engine_refuses() -> None:
     profiles, _ = _tiny_llama_splits(4, 4)
     hardware = Hardware(device_memory=2**30, flops=50e9, bandwidth=5e9)
     weighed = {}
-    for (tp, pp), profile in profiles.items():
-        base = Layout(stage=0, dp=4 // (tp * pp), tp=tp, pp=pp, precision="fp32", micro_batch=1)
+    for (tp, pp, sp), profile in profiles.items():
+        base = Layout(stage=0, dp=4 // (tp * pp * sp), tp=tp, pp=pp, sp=sp, precision="fp32", micro_batch=1)
         for candidate in candidates(profile, base, 4, hardware):
             layout = candidate.layout
-            assert refusal(layout.stage, layout.offload_optimizer, tp, pp, 1) is None, candidate.describe()
-            weighed.setdefault((tp, pp), set()).add((layout.stage, layout.offload_optimizer))
-    assert weighed[(2, 1)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu")}
-    assert weighed[(1, 2)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none")}
-    assert (3, "cpu") in weighed[(1, 1)]
+            assert refusal(layout.stage, layout.offload_optimizer, tp, pp, sp) is None, candidate.describe()
+            weighed.setdefault((tp, pp, sp), set()).add((layout.stage, layout.offload_optimizer))
+    assert weighed[(2, 1, 1)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu")}
+    assert weighed[(1, 2, 1)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none")}
+    assert (3, "cpu") in weighed[(1, 1, 1)] and (3, "cpu") in weighed[(1, 1, 2)]
 
 
 def test_across_splits_a_larger_budget_never_picks_a_slower_layout_and_the_budget_decides_the_split() -> None:
@@ -348,32 +351,36 @@ def test_across_splits_a_larger_budget_never_picks_a_slower_layout_and_the_budge
         assert splits_chosen[0] != (1, 1) and splits_chosen[-1] == (1, 1), splits_chosen  # the budget decides
 
 
-def _train_chosen_split(stage: int, tp: int, pp: int, micro: int, gas: int, checkpointing: bool) -> int:
+def _train_chosen_split(stage: int, tp: int, pp: int, sp: int, micro: int, gas: int, checkpointing: bool,
+                        seq: int) -> int:
     from benchmarks.bench_plan_accuracy import Case, measure
 
     return measure(Case("chosen", "llama", 256, 4, stage, "fp32", checkpointing=checkpointing, micro=micro,
-                        bucket=2**18, tp=tp, pp=pp, gas=gas))
+                        bucket=2**18, tp=tp, pp=pp, sp=sp, gas=gas, seq=seq))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("budget_mib, ranks_per_node", [(250, 1), (260, 2)])
-def test_a_model_parallel_auto_layout_fits_its_budget_when_it_runs(budget_mib, ranks_per_node) -> None:
-    """Two ranks, the tiny Llama at 128 tokens, 16 examples per step: budgets no data-parallel layout fits in.
-    With one rank per node (no tensor parallelism across nodes) the plan cuts the model into 2 pipeline stages,
-    with both on a node it splits it over 2 tensor-parallel ranks; the measured peak stays within the budget."""
+@pytest.mark.parametrize("budget_mib, ranks_per_node, seq, global_batch, split", [
+    (250, 1, 128, 16, (1, 2, 1)), (260, 2, 128, 16, (2, 1, 1)), (500, 2, 512, 4, (1, 1, 2))])
+def test_a_model_parallel_auto_layout_fits_its_budget_when_it_runs(budget_mib, ranks_per_node, seq, global_batch,
+                                                                   split) -> None:
+    """Two ranks, the tiny Llama: budgets no data-parallel layout fits in. At 128 tokens with one rank per node
+    (no tensor parallelism across nodes) the plan cuts the model into 2 pipeline stages, with both on a node
+    it splits it over 2 tensor-parallel ranks; at 512 tokens it runs half of each sequence on each rank
+    (Ulysses). The measured peak stays within the budget."""
     from zerotune.plan.auto import Hardware, choose_layout
     from zerotune.plan.memory import Layout
 
-    profiles, _ = _tiny_llama_splits(2, ranks_per_node)
+    profiles, _ = _tiny_llama_splits(2, ranks_per_node, seq)
     choice = choose_layout(profiles, Layout(stage=0, dp=2, precision="fp32", micro_batch=8, reduce_bucket=2**18,
-                                            allgather_bucket=2**18, prefetch_bucket=2**18), 2, 16,
+                                            allgather_bucket=2**18, prefetch_bucket=2**18), 2, global_batch,
                            Hardware(device_memory=budget_mib * 2**20, bandwidth=5e9, flops=50e9,
                                     ranks_per_node=ranks_per_node), vary_offload=False)
     layout = choice.best.layout
-    assert (layout.tp, layout.pp) == ((1, 2) if ranks_per_node == 1 else (2, 1)), choice.explain()
-    measured = run_distributed(_train_chosen_split, 2, layout.stage, layout.tp, layout.pp, layout.micro_batch,
-                               layout.gas, choice.best.checkpointing, timeout=300)[0]
-    print(f"{budget_mib} MiB, {ranks_per_node} rank(s) per node: {choice.explain()}\n  measured peak "
+    assert (layout.tp, layout.pp, layout.sp) == split, choice.explain()
+    measured = run_distributed(_train_chosen_split, 2, layout.stage, layout.tp, layout.pp, layout.sp,
+                               layout.micro_batch, layout.gas, choice.best.checkpointing, seq, timeout=300)[0]
+    print(f"{budget_mib} MiB, {ranks_per_node} rank(s) per node, {seq} tokens: {choice.explain()}\n  measured peak "
           f"{measured / 2**20:.1f} MiB")
     assert measured <= budget_mib * 2**20, (measured / 2**20, choice.explain())
 
@@ -463,3 +470,37 @@ def test_a_pipeline_plan_takes_the_fullest_stage_with_its_micro_batches_in_fligh
     out = capsys.readouterr().out
     assert "3,369,205,760 parameters" in out and "pipeline stage 0 (the fullest)" in out and "pp 2)" in out
     assert "16 blocks" in out  # stage 0 holds half of the 32 blocks (and the embedding)
+
+
+def test_a_sequence_parallel_plan_runs_a_share_of_each_sequence_and_shards_zero_over_dp_x_sp(capsys, tmp_path) -> None:
+    """Ulysses over 4 of 8 ranks: a rank runs 1024 of the 4096 tokens (its activations a quarter of the sp 1
+    plan's), and ZeRO 3 shards over all 8 (dp 2 x sp 4 hold the same parameters). Sizes the heads or the
+    sequence do not split, and sequence parallelism with pipelines, are refused as initialize refuses them."""
+    from zerotune.cli.main import main
+
+    def plan(sp: int, seq: int = 4096, **extra) -> tuple[int, str, str]:
+        config = tmp_path / f"sp{sp}.json"
+        config.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                      "sequence_parallel_size": sp, "zero_optimization": {"stage": 3},
+                                      "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}, **extra}))
+        code = main(["plan", str(config), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+                     "--seq-len", str(seq)])
+        captured = capsys.readouterr()
+        return code, captured.out, captured.err
+
+    def gib(out: str, row: str) -> float:
+        return float(re.search(rf"{re.escape(row)}\s+([0-9.,]+) GiB", out).group(1).replace(",", ""))
+
+    code, whole, _ = plan(1)
+    assert code == 0
+    code, split, _ = plan(4)
+    assert code == 0 and "(dp 2 x tp 1 x pp 1 x sp 4)" in split and "x 1024 tokens (1/4 of each sequence)" in split
+    for row in ("activations (no checkpointing)", "activations (checkpointing every block)"):
+        assert gib(split, row) == pytest.approx(gib(whole, row) / 4, rel=0.02), row
+    assert gib(split, "parameters") == gib(whole, "parameters")  # ZeRO 3 over dp x sp = 8 ranks either way
+    code, _, err = plan(3)
+    assert code == 2 and "sequence_parallel_size: 3 model- and sequence-parallel ranks" in err, err
+    code, _, err = plan(4, seq=4094)
+    assert code == 2 and "--seq-len 4094: sequence parallelism over 4 ranks needs a length it divides" in err, err
+    code, _, err = plan(2, **{"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})
+    assert code == 2 and "sequence_parallel_size: sequence parallelism together with pipeline" in err, err

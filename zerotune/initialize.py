@@ -188,8 +188,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if raw.zero_optimization.stage == "auto":  # the plan's choice (zerotune/plan/auto.py), logged with its reason
         dtype = torch.bfloat16 if raw.bf16.enabled else torch.float16 if raw.fp16.enabled else torch.float32
         measured = measure_hardware(mesh.group("dp_sp"), mesh.size("dp") * mesh.size("sp"), env.device, dtype)
-        choice = choose_stage_at_initialize(model, raw, mesh.size("dp") * mesh.size("sp"), env.device, measured,
-                                            tp=mesh.size("tp"), pp=mesh.size("pp"))
+        choice = choose_stage_at_initialize(model, raw, mesh.size("dp"), env.device, measured,
+                                            tp=mesh.size("tp"), pp=mesh.size("pp"), sp=mesh.size("sp"))
         auto_values["zero_optimization.stage"] = choice.best.layout.stage
         log_rank0("zero_optimization.stage auto (%s; activations not counted: initialize does not know the "
                   "sequence length, zerotune plan --seq-len does):\n%s", measured.describe(), choice.explain(),

@@ -40,7 +40,8 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face id (cached), directory or config.json, or "
                                                        "module:factory")
     parser.add_argument("--world-size", type=int, required=True,
-                        help="ranks in all (data parallel x the config's tensor-parallel size x pipeline stages)")
+                        help="ranks in all (data parallel x the config's tensor-parallel size x pipeline stages x "
+                             "sequence-parallel size)")
     parser.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over (host memory is per node)")
     parser.add_argument("--device-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
     parser.add_argument("--host-memory", default=None, help="host memory of one node, for offload")
@@ -49,14 +50,14 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="plan this ZeRO stage instead of the config's zero_optimization.stage")
     parser.add_argument("--auto", action="store_true",
-                        help="choose the tensor-parallel size or pipeline stages, the ZeRO stage, offload, activation "
+                        help="choose the tensor-parallel size, pipeline stages or sequence-parallel size, the ZeRO stage, offload, activation "
                              "checkpointing and micro-batch for the config's global batch (also when the config says "
                              "\"stage\": \"auto\"): the fastest layout that fits, by the cost model")
     parser.add_argument("--flops", default="400e12", help="dense 16-bit flop/s of one device, for --auto (default 400e12)")
     parser.add_argument("--bandwidth", default="50GB", help="collective bandwidth per rank per second, for --auto "
                                                            "(default 50GB)")
     parser.add_argument("--intra-node-bandwidth", default="300GB", help="bytes per second between the ranks of a "
-                        "node, for tensor parallelism in --auto (default 300GB)")
+                        "node, for tensor and sequence parallelism in --auto (default 300GB)")
     parser.add_argument("--host-bandwidth", default="25GB", help="device <-> host bytes per second, for --auto "
                                                                  "(default 25GB)")
     parser.set_defaults(func=run_plan)
@@ -84,6 +85,8 @@ def _config_keys(best: Any) -> str:
         keys.append(f'"tensor_parallel": {{"autotp_size": {layout.tp}}}')
     if layout.pp > 1:
         keys.append(f'"pipeline": {{"stages": {layout.pp}}}')
+    if layout.sp > 1:
+        keys.append(f'"sequence_parallel_size": {layout.sp}')
     return ", ".join(keys) + ("; and checkpoint every block (zerotune.checkpointing.apply_activation_checkpointing(model)"
                               " or model.gradient_checkpointing_enable())" if best.checkpointing else "")
 
@@ -93,7 +96,7 @@ def _gib(value: int) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout, step_seconds
+    from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout, stage_profiles, step_seconds
     from zerotune.plan.splits import split_profiles
     from zerotune.plan.memory import asks_for_auto_stage, layout_from_config, plan_from_profile, profile_model
     from zerotune.plan.meta_model import PlanModelError, meta_model
@@ -126,10 +129,10 @@ def run_plan(args: argparse.Namespace) -> int:
             for reason in left_out:
                 print(f"  not weighed: {reason}")
             layout, checkpointing_chosen = choice.best.layout, choice.best.checkpointing
-            profile = profiles[(layout.tp, layout.pp)]
+            profile = profiles[(layout.tp, layout.pp, layout.sp)]
             print(f"  in the config: {_config_keys(choice.best)}")
         else:
-            profile = profile_model(model, args.seq_len, layout.precision, args.task, layout.tp, layout.pp)
+            profile = profile_model(model, args.seq_len, layout.precision, args.task, layout.tp, layout.pp, layout.sp)
     except (ConfigError, PlanModelError, NoLayoutFits) as error:
         print(f"zerotune plan: {error}", file=sys.stderr)
         return 2
@@ -137,7 +140,8 @@ def run_plan(args: argparse.Namespace) -> int:
     where = f", pipeline stage {plan.stage} (the fullest)" if plan.stage is not None else ""
     print(f"{model_name}: {plan.trainable + plan.frozen:,} parameters ({plan.trainable:,} trainable){where}; "
           f"ZeRO {layout.stage}, {layout.precision}, {args.world_size} ranks (dp {layout.dp} x tp {layout.tp} x pp "
-          f"{layout.pp}), micro-batch {layout.micro_batch} x {args.seq_len} tokens; offload_optimizer "
+          f"{layout.pp}" + (f" x sp {layout.sp}" if layout.sp > 1 else "") + f"), micro-batch {layout.micro_batch} x "
+          f"{args.seq_len} tokens; offload_optimizer "
           f"{layout.offload_optimizer}, offload_param {layout.offload_param}")
     width = max(len(row.name) for row in plan.rows)
     for row in plan.rows:
@@ -157,13 +161,13 @@ def run_plan(args: argparse.Namespace) -> int:
         fits = fits and per_node <= host
     if plan.total("nvme"):
         print(f"  NVMe space per node: {_gib(plan.total('nvme') * (args.world_size // args.nodes))}")
-    held = dataclasses.replace(profile, trainable=plan.trainable, frozen=plan.frozen,
-                               lookup=plan.lookup)  # a pipeline stage's share
     for checkpointing in (False, True) if checkpointing_chosen is None else (checkpointing_chosen,):
-        seconds, comm, _ = step_seconds(layout, held, layout.gas, checkpointing, hardware)
+        seconds, comm, _ = max(step_seconds(layout, held, layout.gas, checkpointing, hardware)
+                               for held in stage_profiles(profile, layout))  # a pipeline's slowest stage
         print(f"  modeled step time {'with' if checkpointing else 'without'} activation checkpointing: "
               f"{seconds * 1e3:.1f} ms ({comm / 2**30:.2f} GiB communicated per rank; --flops {hardware.flops:.3g}, "
               f"--bandwidth {hardware.bandwidth / 1e9:g} GB/s"
-              + (f", --intra-node-bandwidth {hardware.intra_node_bandwidth / 1e9:g} GB/s" if layout.tp > 1 else "")
+              + (f", --intra-node-bandwidth {hardware.intra_node_bandwidth / 1e9:g} GB/s"
+                 if layout.tp > 1 or layout.sp > 1 else "")
               + "; gradient reduction hidden under the backward where it fits)")
     return 0 if fits else 1

@@ -19,6 +19,9 @@ step time from a cost model:
 * tensor parallelism: every block (of the rank's stage) all-reduces its output twice in the forward and twice in the backward
   (three times each way with checkpointing: the forward runs again), each all-reduce moving 2 (t - 1) / t of
   one block input (the traced bytes), over the node's links (``intra_node_bandwidth``);
+* sequence parallelism (Ulysses): every block's attention all-to-alls q, k and v to head-split and its
+  output back, in the forward, the backward and a checkpointed block's recomputed forward, each moving
+  (s - 1) / s of one block input of the rank's tokens, over the node's links;
 * pipeline: each micro-batch's activations go to the next stage and their gradients come back (one block
   input each way), over the given bandwidth (tensor-parallel and pipeline traffic is on the critical path);
 * offload: gradients to the host and parameters back every step (every micro-step for offloaded
@@ -76,7 +79,8 @@ class Candidate:
         if self.layout.offload_param != "none":
             offload.append(f"parameters on {self.layout.offload_param}")
         split = (f"tensor parallel {self.layout.tp}, " if self.layout.tp > 1 else "") + (
-            f"{self.layout.pp} pipeline stages, " if self.layout.pp > 1 else "")
+            f"{self.layout.pp} pipeline stages, " if self.layout.pp > 1 else "") + (
+            f"sequence parallel {self.layout.sp}, " if self.layout.sp > 1 else "")
         return (f"{split}ZeRO {self.layout.stage}{', ' + ', '.join(offload) if offload else ''}, activation checkpointing "
                 f"{'on' if self.checkpointing else 'off'}, micro-batch {self.layout.micro_batch} x {self.gas} "
                 f"accumulation: {self.device_bytes / 2**30:.2f} GiB per rank, {self.comm_bytes / 2**30:.2f} GiB "
@@ -89,7 +93,7 @@ def data_parallel_bytes(layout: Layout, trainable: int, params: int, gas: int) -
     stage 1 / 2's all-gather of the updated parameters follows the optimizer step, and stage 3's gathers are
     counted whole: each unit waits for its own (prefetch hides some of it, how much depends on the model's
     units and the link, so none is credited)."""
-    n = layout.dp
+    n = layout.zero_group
     if n == 1:
         return 0.0, 0.0
     ring = (n - 1) / n
@@ -126,24 +130,30 @@ def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing:
     communicating = exposed / hardware.bandwidth + max(0.0, overlapped / hardware.bandwidth - window)
     comm = overlapped + exposed
     block_input = layout.micro_batch * (profile.per_example.block_inputs[0] if profile.per_example.block_inputs else 0)
+    blocks = len(profile.stages[0].blocks) if profile.stages else len(profile.per_example.block_saved)
     if layout.tp > 1:  # the blocks this rank runs: its stage's when pipelined
-        blocks = len(profile.stages[0].blocks) if profile.stages else len(profile.per_example.block_saved)
         all_reduces = gas * blocks * (6 if checkpointing else 4)
         tensor_parallel = all_reduces * 2 * (layout.tp - 1) / layout.tp * block_input
         communicating += tensor_parallel / hardware.intra_node_bandwidth
         comm += tensor_parallel
+    if layout.sp > 1:  # Ulysses: q, k, v to head-split and the output back, in each pass (an upper bound with
+        # grouped-query attention, whose k and v are smaller); each all-to-all moves (sp - 1) / sp of a block input
+        all_to_alls = gas * blocks * 4 * (3 if checkpointing else 2)
+        sequence_parallel = all_to_alls * (layout.sp - 1) / layout.sp * block_input
+        communicating += sequence_parallel / hardware.intra_node_bandwidth
+        comm += sequence_parallel
     if layout.pp > 1:
         transfers = gas * 2 * block_input  # activations forward, their gradients back
         communicating += transfers / hardware.bandwidth
         comm += transfers
     seconds = compute + communicating
-    shard = profile.trainable / (1 if layout.stage == 0 else layout.dp)
+    shard = profile.trainable / (1 if layout.stage == 0 else layout.zero_group)
     if layout.offload_optimizer != "none":
         width = 2 if layout.precision in ("bf16", "fp16") else 4
         seconds += (4 * shard + width * shard) / hardware.host_bandwidth + shard / HOST_OPTIMIZER_PARAMS_PER_S
     if layout.offload_param != "none":
         width = 2 if layout.precision in ("bf16", "fp16") else 4
-        seconds += gas * 2 * width * params / layout.dp / hardware.host_bandwidth
+        seconds += gas * 2 * width * params / layout.zero_group / hardware.host_bandwidth
     return seconds, comm, communicating
 
 
@@ -174,7 +184,7 @@ def candidates(profile: ModelProfile, base: Layout, per_rank_batch: int, hardwar
         for offload_optimizer, offload_param in offloads:
             if offload_optimizer != "none" and stage == 0:
                 continue  # offload needs a partitioned optimizer
-            if refusal(stage, offload_optimizer, base.tp, base.pp, 1) is not None:
+            if refusal(stage, offload_optimizer, base.tp, base.pp, base.sp) is not None:
                 continue  # a layout the engine would refuse (parallel/composition.py)
             for micro in micros:
                 gas = max(1, per_rank_batch // micro)
@@ -228,16 +238,16 @@ def choose(profile: ModelProfile, base: Layout, per_rank_batch: int, hardware: H
                  hardware)
 
 
-def choose_layout(profiles: dict[tuple[int, int], ModelProfile], base: Layout, world: int, global_batch: int,
+def choose_layout(profiles: dict[tuple[int, int, int], ModelProfile], base: Layout, world: int, global_batch: int,
                   hardware: Hardware, vary_offload: bool = True) -> Choice:
-    """Over every split in ``profiles`` ({(tp, pp): profile}, ``splits.split_profiles``) whose data-parallel
+    """Over every split in ``profiles`` ({(tp, pp, sp): profile}, ``splits.split_profiles``) whose data-parallel
     size divides ``global_batch``: the fastest fitting layout and the runner-up."""
     everything = []
-    for (tp, pp), profile in sorted(profiles.items()):
-        dp = world // (tp * pp)
-        if world % (tp * pp) or global_batch % dp:
+    for (tp, pp, sp), profile in sorted(profiles.items()):
+        dp = world // (tp * pp * sp)
+        if world % (tp * pp * sp) or global_batch % dp:
             continue
-        split = dataclasses.replace(base, tp=tp, pp=pp, dp=dp)
+        split = dataclasses.replace(base, tp=tp, pp=pp, sp=sp, dp=dp)
         everything += candidates(profile, split, global_batch // dp, hardware, vary_offload=vary_offload)
     if not everything:
         raise NoLayoutFits(f"no split of {world} ranks divides the global batch of {global_batch} examples evenly")
@@ -262,13 +272,14 @@ def _pick(everything: list[Candidate], hardware: Hardware) -> Choice:
 
 def _kind(candidate: Candidate) -> tuple:
     layout = candidate.layout
-    return layout.tp, layout.pp, layout.stage, layout.offload_optimizer, layout.offload_param, candidate.checkpointing
+    return (layout.tp, layout.pp, layout.sp, layout.stage, layout.offload_optimizer, layout.offload_param,
+            candidate.checkpointing)
 
 
 def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, device: torch.device,
-                               measured: Measured, tp: int = 1, pp: int = 1) -> Choice:
+                               measured: Measured, tp: int = 1, pp: int = 1, sp: int = 1) -> Choice:
     """``initialize`` with ``"stage": "auto"``: the same choice for the live model, over the ZeRO stages with
-    the config's micro-batch, accumulation, precision, offload and ``tp`` / ``pp`` sizes (the stages those
+    the config's micro-batch, accumulation, precision, offload and ``tp`` / ``pp`` / ``sp`` sizes (the stages those
     compose with), for the bandwidth and flops ``measured``
     on the job's own ranks (``measure.py``). Activations are not in it (initialize does not know the
     sequence length; ``zerotune plan --seq-len`` does), so the device budget is the device's memory (CUDA)
@@ -282,7 +293,7 @@ def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, dev
 
     zero = config.zero_optimization
     precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
-    base = Layout(stage=0, dp=dp, tp=tp, pp=pp, precision=precision,
+    base = Layout(stage=0, dp=dp, tp=tp, pp=pp, sp=sp, precision=precision,
                   micro_batch=number(config.train_micro_batch_size_per_gpu),
                   gas=number(config.gradient_accumulation_steps),
                   optimizer=config.optimizer.type if config.optimizer is not None else "adamw",

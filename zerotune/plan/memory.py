@@ -15,7 +15,9 @@ from typing import Any
 import torch
 
 from zerotune.config import load_config, resolve_config
-from zerotune.config.errors import ConfigError
+from zerotune.config.errors import ConfigError, NotSupportedYetError
+from zerotune.parallel.composition import refusal
+from zerotune.parallel.sequence.ulysses_attention import check_ulysses_split
 from zerotune.plan.activations import ActivationProfile, trace_activations
 from zerotune.plan.meta_model import PlanModelError, parameter_counts
 from zerotune.plan.pipeline import StageShare, in_flight, stage_activations, stage_shares
@@ -32,13 +34,20 @@ class Layout:
     micro_batch: int
     gas: int = 1
     tp: int = 1  # tensor-parallel size
-    pp: int = 1  # pipeline stages; dp = world / (tp x pp)
+    pp: int = 1  # pipeline stages; dp = world / (tp x pp x sp)
+    sp: int = 1  # sequence-parallel (Ulysses) size: each rank runs 1/sp of every sequence
     optimizer: str = "adamw"
     offload_optimizer: str = "none"
     offload_param: str = "none"
     reduce_bucket: int = int(5e8)
     allgather_bucket: int = int(5e8)
     prefetch_bucket: int = int(5e7)
+
+    @property
+    def zero_group(self) -> int:
+        """The ranks ZeRO shards over and averages gradients across: the data- and sequence-parallel ranks hold
+        the same parameters (the mesh's ``dp_sp``)."""
+        return self.dp * self.sp
 
 
 def asks_for_auto_stage(source: Any) -> bool:
@@ -47,20 +56,19 @@ def asks_for_auto_stage(source: Any) -> bool:
 
 
 def layout_from_config(source: Any, world_size: int) -> Layout:
-    """The layout a DeepSpeed-style config describes on ``world_size`` ranks (data parallel only); a stage
-    "auto" reads as 0 here (``asks_for_auto_stage`` tells the caller to choose)."""
+    """The layout a DeepSpeed-style config describes on ``world_size`` ranks; a stage "auto" reads as 0 here
+    (``asks_for_auto_stage`` tells the caller to choose)."""
     config = load_config(source)
-    size = config.sequence_parallel_size
-    if isinstance(size, int) and size > 1:
-        raise ConfigError("sequence_parallel_size", f"{size}: zerotune plan models data-, tensor- and pipeline-"
-                                                    "parallel layouts so far; sequence parallelism is not planned yet")
+    sp = config.sequence_parallel_size
+    sp = sp if isinstance(sp, int) and sp > 1 else 1
     tp = config.tensor_parallel.autotp_size
     tp = tp if isinstance(tp, int) and tp > 1 else 1
     pp = config.pipeline.stages if isinstance(config.pipeline.stages, int) else 1
-    if world_size % (tp * pp):
-        raise ConfigError("tensor_parallel.autotp_size" if tp > 1 else "pipeline.stages",
-                          f"{tp * pp} model-parallel ranks do not divide the world size {world_size}")
-    world_size //= tp * pp  # the data-parallel size
+    if world_size % (tp * pp * sp):
+        key = "tensor_parallel.autotp_size" if tp > 1 else "pipeline.stages" if pp > 1 else "sequence_parallel_size"
+        raise ConfigError(key, f"{tp * pp * sp} model- and sequence-parallel ranks (tp {tp} x pp {pp} x sp {sp}) do "
+                               f"not divide the world size {world_size}")
+    world_size //= tp * pp * sp  # the data-parallel size
     config = resolve_config(config, dp_world_size=world_size, strict=False)
     zero = config.zero_optimization
 
@@ -70,8 +78,11 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
     micro = config.train_micro_batch_size_per_gpu
     precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
     gas = config.gradient_accumulation_steps
+    refused = refusal(number(zero.stage, 0), zero.offload_optimizer.device, tp, pp, sp)
+    if refused is not None:  # what initialize would refuse is not planned either
+        raise NotSupportedYetError(*refused)
     return Layout(stage=number(zero.stage, 0), dp=world_size, precision=precision, micro_batch=number(micro, 1),
-                  gas=number(gas, 1), tp=tp, pp=pp,
+                  gas=number(gas, 1), tp=tp, pp=pp, sp=sp,
                   optimizer=(config.optimizer.type if config.optimizer is not None else "adamw"),
                   offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
                   reduce_bucket=number(zero.reduce_bucket_size, int(5e8)),
@@ -118,7 +129,7 @@ class ModelProfile:
     frozen: int
     largest_unit: int
     per_example: ActivationProfile
-    seq_len: int
+    seq_len: int  # tokens of each sequence one rank runs (the whole sequence / the sequence-parallel size)
     width: int  # bytes per element of the traced precision
     stages: tuple[StageShare, ...] = ()  # pipeline stages' parameters and blocks (pipeline.py)
     lookup: int = 0
@@ -130,19 +141,26 @@ class ModelProfile:
 
 
 def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: str = "causal-lm",
-                  tp: int = 1, pp: int = 1) -> ModelProfile:
+                  tp: int = 1, pp: int = 1, sp: int = 1) -> ModelProfile:
     """Counts and a one-example activation trace of one rank of ``model`` (on the meta device; consumed by the
     trace), split over ``tp`` tensor-parallel ranks as zerotune would split it, and its ``pp`` pipeline
-    stages' shares."""
+    stages' shares. With ``sp`` sequence-parallel ranks a rank runs ``seq_len / sp`` tokens of each sequence
+    through everything but attention, and attention on the whole sequence for 1/sp of the heads -- the same
+    bytes as its tokens' share for every head -- so the trace is of ``seq_len / sp`` tokens."""
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
     config = getattr(model, "config", None)
     limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
     if isinstance(limit, int) and seq_len > limit:
         raise PlanModelError(f"--seq-len {seq_len}: {type(model).__name__} takes at most {limit} positions "
                              "(its config's max_position_embeddings); plan a shorter sequence")
+    if seq_len % sp:
+        raise PlanModelError(f"--seq-len {seq_len}: sequence parallelism over {sp} ranks needs a length it divides "
+                             "(each rank holds an equal share of every sequence)")
     try:
         shares = tuple(stage_shares(model, pp)) if pp > 1 and tp == 1 else ()
-        per_example = trace_activations(model, 1, seq_len, dtype=dtype, task=task, tp=tp)
+        if sp > 1:
+            check_ulysses_split(model, sp)
+        per_example = trace_activations(model, 1, seq_len // sp, dtype=dtype, task=task, tp=tp)
         if pp > 1 and tp > 1:  # stages of the split model: each stage's tensor-parallel shard
             shares = tuple(stage_shares(model, pp))
     except (TypeError, ValueError) as error:  # the layout does not fit the model (no TP plan, no pipeline layers,
@@ -150,7 +168,7 @@ def profile_model(model: torch.nn.Module, seq_len: int, precision: str, task: st
         raise PlanModelError(f"{type(model).__name__} cannot be planned this way: {str(error).splitlines()[0]} "
                              "(the trace calls model(input_ids=..., labels=...))") from None
     trainable, frozen = parameter_counts(model)  # after the trace: this rank's shards (ties kept)
-    return ModelProfile(trainable, frozen, largest_unit_params(model), per_example, seq_len,
+    return ModelProfile(trainable, frozen, largest_unit_params(model), per_example, seq_len // sp,
                         2 if precision in ("bf16", "fp16") else 4, shares, *_embedding_params(model))
 
 
@@ -169,7 +187,8 @@ def _embedding_params(model: torch.nn.Module) -> tuple[int, int]:
 def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = "causal-lm") -> RankPlan:
     """Per-rank memory of training ``model`` (on the meta device; consumed by the activation trace) with
     ``layout`` at ``seq_len`` tokens."""
-    return plan_from_profile(profile_model(model, seq_len, layout.precision, task, layout.tp, layout.pp), layout)
+    return plan_from_profile(profile_model(model, seq_len, layout.precision, task, layout.tp, layout.pp, layout.sp),
+                             layout)
 
 
 def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
@@ -187,7 +206,7 @@ def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
             plans.append(plan)
         return max(plans, key=lambda plan: plan.total("device"))
     trainable, frozen = profile.trainable, profile.frozen
-    states = zerotune_model_states(trainable, frozen, stage=layout.stage, dp=layout.dp, precision=layout.precision,
+    states = zerotune_model_states(trainable, frozen, stage=layout.stage, dp=layout.zero_group, precision=layout.precision,
                                    optimizer=layout.optimizer, offload_optimizer=layout.offload_optimizer,
                                    offload_param=layout.offload_param)
     width = profile.width
@@ -196,13 +215,14 @@ def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
     plan = RankPlan(trainable=trainable, frozen=frozen, lookup=profile.lookup, activations=activations)
     rows = plan.rows
     rows.append(Row("parameters", states.params, note=f"{trainable + frozen:,} x {width} B"
-                    + (f" / {layout.dp}" if layout.stage == 3 else "")))
+                    + (f" / {layout.zero_group}" if layout.stage == 3 else "")))
     rows.append(Row("gradients", states.grads, note="fp32 all-reduce buckets" if layout.stage == 0 else ""))
     rows.append(Row("fp32 master weights", states.master_weights))
     rows.append(Row("optimizer state", states.optimizer_state, note=layout.optimizer))
     rows.append(Row("communication buckets", _bucket_bytes(layout, trainable + frozen, trainable, width)))
     rows.append(Row("activations (no checkpointing)", activations.saved_bytes,
-                    note=f"micro-batch {micro} x {profile.seq_len} tokens"))
+                    note=f"micro-batch {micro} x {profile.seq_len} tokens"
+                         + (f" (1/{layout.sp} of each sequence)" if layout.sp > 1 else "")))
     rows.append(Row("activations (checkpointing every block)", activations.checkpointed_bytes,
                     note=f"{len(activations.block_saved)} blocks"))
     if layout.stage == 3:
@@ -219,9 +239,9 @@ def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
 
 def _bucket_bytes(layout: Layout, params: int, trainable: int, width: int) -> int:
     if layout.stage == 2:  # buckets are cut at every owner's slice boundary: none spans two ranks' slices
-        per_owner = -(-trainable // layout.dp)
+        per_owner = -(-trainable // layout.zero_group)
         bucket = min(layout.reduce_bucket, per_owner)
-        count = layout.dp * -(-per_owner // bucket)
+        count = layout.zero_group * -(-per_owner // bucket)
         return min(IN_FLIGHT_BUCKETS, count) * width * bucket
     if layout.stage == 3:
         return width * (min(layout.prefetch_bucket, params) + min(layout.reduce_bucket, trainable))

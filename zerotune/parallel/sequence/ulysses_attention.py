@@ -98,20 +98,12 @@ def install_ulysses_attention(model: nn.Module, group: dist.ProcessGroup | None)
     only replaces the group.
     """
     size = 1 if group is None else dist.get_world_size(group)
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "_attn_implementation"):
-        raise ValueError(
-            f"Ulysses sequence parallelism needs a Hugging Face PreTrainedModel; {type(model).__name__} has no config"
-        )
+    modules = check_ulysses_split(model, size)
     existing = getattr(model, _BINDING_ATTRIBUTE, None)
     if isinstance(existing, UlyssesContext):
-        _check_heads_divisible(model, _attention_configs(model, _interface_attention_modules(model)), size)
         existing.group, existing.size = group, size
         return
 
-    modules = _interface_attention_modules(model)
-    _refuse_cross_attention(model, modules)
-    _check_heads_divisible(model, _attention_configs(model, modules), size)
     context = UlyssesContext(group=group, size=size)
     bindings = [(module, _AttentionBinding(context, *_original_kernel(model, module))) for module in modules]
 
@@ -120,6 +112,21 @@ def install_ulysses_attention(model: nn.Module, group: dist.ProcessGroup | None)
         setattr(module, _BINDING_ATTRIBUTE, binding)
     _switch_implementation(model, modules)
     setattr(model, _BINDING_ATTRIBUTE, context)
+
+
+def check_ulysses_split(model: nn.Module, size: int) -> list[nn.Module]:
+    """The attention modules Ulysses would wrap in ``model`` over ``size`` ranks; ValueError naming what stops it
+    (not an HF model, attention bypassing the interface, cross-attention, heads the size does not divide).
+    ``zerotune plan`` asks the same of a meta model before launch."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        raise ValueError(
+            f"Ulysses sequence parallelism needs a Hugging Face PreTrainedModel; {type(model).__name__} has no config"
+        )
+    modules = _interface_attention_modules(model)
+    _refuse_cross_attention(model, modules)
+    _check_heads_divisible(model, _attention_configs(model, modules), size)
+    return modules
 
 
 def _uses_attention_interface(cls: type) -> bool:
