@@ -59,6 +59,22 @@ def test_the_reduce_buffer_pool_reuses_a_buffer_only_after_the_reduce_stream_is_
     assert again.data_ptr() == used.data_ptr() and bool((again == 0).all())
 
 
+def test_the_host_waits_for_a_host_shards_copy_to_the_device_before_rewriting_it() -> None:
+    """offload_param with pinned memory: a gather copies the host shard to the device asynchronously; the
+    optimizer's write of the new shard (and a checkpoint load's) must wait for that copy, or the gather could
+    read half-updated values. Off CUDA no copy is in flight (the event is None); here a fake one stands in."""
+    from zerotune.zero.stage3.segment import FlatSegment
+
+    segment = FlatSegment([torch.nn.Parameter(torch.ones(8))], None)
+    for write in (lambda: segment.write_local_range(0, torch.zeros(2)),
+                  lambda: segment.overwrite_local(torch.full((8,), 2.0), notify=False)):
+        in_flight = FakeEvent()
+        segment._copied_out = in_flight
+        write()
+        assert in_flight.host_waits == 1 and segment._copied_out is None
+    assert segment.local.tolist() == [2.0] * 8
+
+
 def test_off_cuda_every_stream_runs_in_place() -> None:
     streams = Streams(torch.device("cpu"))
     assert not streams.enabled and streams.stream("gather") is None

@@ -117,16 +117,26 @@ def _trainable_in_model_order(model: torch.nn.Module, groups: list[dict]) -> lis
     return [p for p in model.parameters() if id(p) in chosen]
 
 
-def _broadcast_from_rank0(model: torch.nn.Module) -> None:
+def _broadcast_from_rank0(model: torch.nn.Module, staging: torch.device | None = None) -> None:
     """Start every rank from rank 0's full weights and buffers (before tensor parallelism splits them).
 
-    Parameters ``zero.Init`` partitioned were broadcast from rank 0 as they were built.
+    Parameters ``zero.Init`` partitioned were broadcast from rank 0 as they were built. ``staging``: a model
+    kept on the host whose collectives need device tensors (NCCL) goes through that device one tensor at a
+    time, so a model bigger than one device (cut into pipeline stages next) is never on it whole.
     """
     group = torch.distributed.group.WORLD
+    through_device = staging is not None and torch.distributed.get_backend() == "nccl"
     with torch.no_grad():
         for tensor in model.state_dict(keep_vars=True).values():
-            if sharded_param_of(tensor) is None:
-                comm.broadcast(tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor, 0, group)
+            if sharded_param_of(tensor) is not None:
+                continue
+            data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
+            if through_device and data.device != staging:
+                staged = data.to(staging)
+                comm.broadcast(staged, 0, group)
+                data.copy_(staged)
+            else:
+                comm.broadcast(data, 0, group)
 
 
 def _build_optimizer(raw_optimizer: Any, client: Any, master_groups: list[dict]) -> torch.optim.Optimizer | None:
@@ -215,12 +225,14 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                        "in the model's forward", rank=env.rank)
     policy = policy_from_flags(fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled)
 
-    model.to(env.device)
     pipelined = isinstance(model, PipelineModule) or mesh.size("pp") > 1
+    cut_here = pipelined and not isinstance(model, PipelineModule)  # an HF model every rank built whole
+    if not cut_here:  # (one to cut stays on the host until then: only this rank's stage goes to the device)
+        model.to(env.device)
     tie_groups, batch_fn, user_model = {}, None, model
     if pipelined:
-        if not isinstance(model, PipelineModule):
-            _broadcast_from_rank0(model)
+        if cut_here:
+            _broadcast_from_rank0(model, staging=env.device)
         model, tie_groups, batch_fn = build_pipeline(
             model, cfg, mesh, split_tensor_parallel=lambda m: split_tensor_parallel(m, cfg, mesh, rank=env.rank))
         model.to(env.device)

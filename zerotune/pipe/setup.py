@@ -4,10 +4,11 @@
   stage (broadcast over its tensor- then data-parallel ranks) and tied weights *across* stages
   (broadcast from the first stage holding them); tensor parallelism then splits the stage's
   layers by the user's ``partition_config`` rules;
-* a Hugging Face model with ``"pipeline": {"stages": N}``: every rank holds the whole model with
-  rank 0's weights (``initialize`` broadcast them), AutoTP splits it if asked, and
-  ``hf_layers.py`` cuts it into embedding / block / head layers, of which this rank keeps its stage's: the
-  other stages' weights go to the meta device, so a rank holds its stage only.
+* a Hugging Face model with ``"pipeline": {"stages": N}``: every rank holds the whole model on the host
+  with rank 0's weights (``initialize`` broadcast them), AutoTP splits it if asked, and ``hf_layers.py``
+  cuts it into embedding / block / head layers, of which this rank keeps its stage's: the other stages'
+  weights go to the meta device and only the stage moves to the device (``initialize``), so a rank holds
+  its stage only and a model bigger than one device can be cut.
 """
 
 from __future__ import annotations

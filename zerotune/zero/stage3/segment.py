@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
-from zerotune.distributed.streams import phase, streams_for
+from zerotune.distributed.streams import host_wait, phase, streams_for
 from zerotune.zero.partition import FlatLayout, flat_layout
 from zerotune.zero.stage3.sharded_param import ParamState, ShardedParam, sharded_param_of
 
@@ -51,6 +51,7 @@ class FlatSegment:
         self._pin = pin_memory and torch.cuda.is_available()
         self.local = self._on_local_device(full[start:end].clone(), local_device)
         self._pending: comm.Handle | None = None
+        self._copied_out: Any = None  # CUDA event after the last asynchronous copy of a host shard to the device
         self._swap: tuple[Any, str, Any] | None = None  # (SwapStore, file name, buffer pool) under offload_param nvme
         self._local_resident = True
         self._local_bytes = self.local.untyped_storage().nbytes()
@@ -140,9 +141,16 @@ class FlatSegment:
             store.write(name, self.local).wait()
             self._drop_local()
 
+    def _fence_local(self) -> None:
+        """Before the host writes or frees a pinned host shard: wait for the asynchronous copy to the device a
+        gather may still be reading it with (no-op when none is in flight, and off CUDA)."""
+        host_wait(self._copied_out)
+        self._copied_out = None
+
     def _drop_local(self) -> None:
         if self._swap is None or not self._local_resident:
             return
+        self._fence_local()
         pool = self._swap[2]
         if pool is None:
             self.local.untyped_storage().resize_(0)
@@ -155,6 +163,7 @@ class FlatSegment:
 
     def overwrite_local(self, values: torch.Tensor, notify: bool = True) -> None:
         """Replace this rank's shard (checkpoint load, masters rounded in, a modified parameter)."""
+        self._fence_local()
         with torch.no_grad():  # from pinned host masters: asynchronous, ordered before the next gather
             self.make_resident().copy_(values, non_blocking=values.is_pinned())
         self.store_local() if not notify else self.notify_local_changed()
@@ -165,6 +174,7 @@ class FlatSegment:
             store, name, _ = self._swap
             store.write(name, values.to(self.local.dtype).contiguous(), offset_numel=lo).wait()
         else:
+            self._fence_local()
             with torch.no_grad():
                 self.local[lo:lo + values.numel()].copy_(values)
 
@@ -188,6 +198,8 @@ class FlatSegment:
             self.full.untyped_storage().resize_(self._full_bytes)
             source = self.local if self.local.device == self.full.device else self.local.to(self.full.device,
                                                                                                 non_blocking=self._pin)
+            if source is not self.local and self._pin:  # the host must not rewrite the shard while it is read
+                self._copied_out = streams_for(self.full.device).mark("gather")
             self._pending = comm.all_gather_into_tensor(self.full, source, self.group, async_op=True)
 
     def finish_gather(self) -> None:
