@@ -504,3 +504,9 @@ def test_a_sequence_parallel_plan_runs_a_share_of_each_sequence_and_shards_zero_
     assert code == 2 and "--seq-len 4094: sequence parallelism over 4 ranks needs a length it divides" in err, err
     code, _, err = plan(2, **{"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})
     assert code == 2 and "sequence_parallel_size: sequence parallelism together with pipeline" in err, err
+    tensor_parallel = tmp_path / "tp2.json"
+    tensor_parallel.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                           "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1}}))
+    assert main(["plan", str(tensor_parallel), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+                 "--zero-stage", "3"]) == 2  # the override is checked too
+    assert "zero_optimization.stage: 3 with tensor_parallel.autotp_size 2 is not supported yet" in capsys.readouterr().err

@@ -98,7 +98,8 @@ def _gib(value: int) -> str:
 def run_plan(args: argparse.Namespace) -> int:
     from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout, stage_profiles, step_seconds
     from zerotune.plan.splits import split_profiles
-    from zerotune.plan.memory import asks_for_auto_stage, layout_from_config, plan_from_profile, profile_model
+    from zerotune.plan.memory import (asks_for_auto_stage, check_composes, layout_from_config, plan_from_profile,
+                                      profile_model)
     from zerotune.plan.meta_model import PlanModelError, meta_model
 
     try:
@@ -112,6 +113,8 @@ def run_plan(args: argparse.Namespace) -> int:
         if args.zero_stage is not None:
             layout = dataclasses.replace(layout, stage=args.zero_stage)
         auto = args.auto or (asks_for_auto_stage(args.config) and args.zero_stage is None)
+        if not auto:  # (--auto weighs only layouts that compose)
+            check_composes(layout)
         hardware = Hardware(device_memory=device, flops=_number(args.flops, "--flops"),
                             bandwidth=parse_size(args.bandwidth, "--bandwidth"),
                             intra_node_bandwidth=parse_size(args.intra_node_bandwidth, "--intra-node-bandwidth"),

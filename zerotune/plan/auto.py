@@ -1,9 +1,10 @@
 """``"zero_optimization": {"stage": "auto"}`` and ``zerotune plan --auto``: the fastest layout that fits.
 
-Candidates: tensor-parallel size or pipeline stages (``splits.py``; ``zerotune plan --auto`` only), ZeRO
-stage 0-3, optimizer offload to the host (and, at stage 3, parameter offload) -- as far as they compose
-(``parallel/composition.py``: the engine's own rule) -- activation checkpointing on or off, and every micro-batch that divides each data-parallel replica's share of the global batch (the rest
-is gradient accumulation). Each candidate's per-rank memory comes from ``memory.plan_from_profile``; its
+Candidates: tensor-parallel size, pipeline stages or sequence-parallel size (``splits.py``; ``zerotune plan
+--auto`` only), ZeRO stage 0-3, optimizer offload to the host (and, at stage 3, parameter offload) -- as far
+as they compose (``parallel/composition.py``: the engine's own rule) -- activation checkpointing on or off,
+and every micro-batch that divides each data-parallel replica's share of the global batch (the rest is
+gradient accumulation). Each candidate's per-rank memory comes from ``memory.plan_from_profile``; its
 step time from a cost model:
 
 * compute: 6 flops per parameter the rank holds per token (forward + backward; an input embedding that is
@@ -16,9 +17,9 @@ step time from a cost model:
   all-gathers once; stage 3 gathers the parameters twice and reduce-scatters the gradients every
   micro-step -- over the given bandwidth; the gradient buckets zerotune reduces while the backward runs
   cost only what exceeds that backward's compute;
-* tensor parallelism: every block (of the rank's stage) all-reduces its output twice in the forward and twice in the backward
-  (three times each way with checkpointing: the forward runs again), each all-reduce moving 2 (t - 1) / t of
-  one block input (the traced bytes), over the node's links (``intra_node_bandwidth``);
+* tensor parallelism: every block (of the rank's stage) all-reduces its output twice in the forward and
+  twice in the backward (three times each way with checkpointing: the forward runs again), each all-reduce
+  moving 2 (t - 1) / t of one block input (the traced bytes), over the node's links (``intra_node_bandwidth``);
 * sequence parallelism (Ulysses): every block's attention all-to-alls q, k and v to head-split and its
   output back, in the forward, the backward and a checkpointed block's recomputed forward, each moving
   (s - 1) / s of one block input of the rank's tokens, over the node's links;
@@ -279,11 +280,10 @@ def _kind(candidate: Candidate) -> tuple:
 def choose_stage_at_initialize(model: torch.nn.Module, config: Any, dp: int, device: torch.device,
                                measured: Measured, tp: int = 1, pp: int = 1, sp: int = 1) -> Choice:
     """``initialize`` with ``"stage": "auto"``: the same choice for the live model, over the ZeRO stages with
-    the config's micro-batch, accumulation, precision, offload and ``tp`` / ``pp`` / ``sp`` sizes (the stages those
-    compose with), for the bandwidth and flops ``measured``
-    on the job's own ranks (``measure.py``). Activations are not in it (initialize does not know the
-    sequence length; ``zerotune plan --seq-len`` does), so the device budget is the device's memory (CUDA)
-    or this rank's share of the host's (CPU)."""
+    the config's micro-batch, accumulation, precision, offload and ``tp`` / ``pp`` / ``sp`` sizes (the stages
+    those compose with), for the bandwidth and flops ``measured`` on the job's own ranks (``measure.py``).
+    Activations are not in it (initialize does not know the sequence length; ``zerotune plan --seq-len``
+    does), so the device budget is the device's memory (CUDA) or this rank's share of the host's (CPU)."""
     from zerotune.plan.activations import ActivationProfile
     from zerotune.plan.memory import largest_unit_params
     from zerotune.plan.meta_model import parameter_counts

@@ -78,9 +78,6 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
     micro = config.train_micro_batch_size_per_gpu
     precision = "bf16" if config.bf16.enabled else "fp16" if config.fp16.enabled else "fp32"
     gas = config.gradient_accumulation_steps
-    refused = refusal(number(zero.stage, 0), zero.offload_optimizer.device, tp, pp, sp)
-    if refused is not None:  # what initialize would refuse is not planned either
-        raise NotSupportedYetError(*refused)
     return Layout(stage=number(zero.stage, 0), dp=world_size, precision=precision, micro_batch=number(micro, 1),
                   gas=number(gas, 1), tp=tp, pp=pp, sp=sp,
                   optimizer=(config.optimizer.type if config.optimizer is not None else "adamw"),
@@ -88,6 +85,14 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
                   reduce_bucket=number(zero.reduce_bucket_size, int(5e8)),
                   allgather_bucket=number(zero.allgather_bucket_size, int(5e8)),
                   prefetch_bucket=number(zero.stage3_prefetch_bucket_size, int(5e7)))
+
+
+def check_composes(layout: Layout) -> None:
+    """What ``initialize`` would refuse (TP or a pipeline with ZeRO 3, ...) is not planned either: the same
+    error, naming the key."""
+    refused = refusal(layout.stage, layout.offload_optimizer, layout.tp, layout.pp, layout.sp)
+    if refused is not None:
+        raise NotSupportedYetError(*refused)
 
 
 @dataclass
