@@ -50,9 +50,10 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="plan this ZeRO stage instead of the config's zero_optimization.stage")
     parser.add_argument("--auto", action="store_true",
-                        help="choose the tensor-parallel size, pipeline stages or sequence-parallel size, the ZeRO stage, offload, activation "
-                             "checkpointing and micro-batch for the config's global batch (also when the config says "
-                             "\"stage\": \"auto\"): the fastest layout that fits, by the cost model")
+                        help="choose the tensor-parallel size, pipeline stages or sequence-parallel size, the ZeRO "
+                             "stage, offload, activation checkpointing and micro-batch for the config's global batch "
+                             "(also when the config says \"stage\": \"auto\"): the fastest layout that fits, by the "
+                             "cost model")
     parser.add_argument("--flops", default="400e12", help="dense 16-bit flop/s of one device, for --auto (default 400e12)")
     parser.add_argument("--bandwidth", default="50GB", help="collective bandwidth per rank per second, for --auto "
                                                            "(default 50GB)")
