@@ -99,7 +99,7 @@ def test_meaningless_scheduler_clipping_and_loss_scale_numbers_are_refused(confi
 
 def test_a_recipe_learning_rate_of_infinity_is_refused() -> None:
     from zerotune.finetune.recipe import load_recipe
-    from zerotune.finetune.recipe_sections import RecipeError
+    from zerotune.finetune.recipe_checks import RecipeError
 
     with pytest.raises(RecipeError, match="train.lr"):
         load_recipe(None, overrides=["train.lr=.inf"])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from zerotune.optim.scheduler_config import SCHEDULER_NAMES
 from zerotune.optim.schedulers import (
-    SCHEDULER_NAMES,
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,

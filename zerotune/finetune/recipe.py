@@ -11,7 +11,7 @@ key, did-you-mean for typos):
 3. gather the DeepSpeed keys under ``engine`` into ``engine.config`` and check every key
    against the schema (``normalize_keys``: did-you-mean, aliases);
 4. validate types with pydantic (``translate``: one line per error);
-5. cross-field checks that name the exact key (``recipe_sections.check_recipe``);
+5. cross-field checks that name the exact key (``recipe_checks.check_recipe``);
 6. reconcile the batch size with the engine config and derive the engine config once, so
    its errors (and conflicts with the recipe) surface at load time, not on the ranks.
 
@@ -44,6 +44,7 @@ from zerotune.finetune.recipe_engine import (
     recipe_engine_config,
     reconcile_batch,
 )
+from zerotune.finetune.recipe_checks import RecipeError, check_recipe
 from zerotune.finetune.recipe_sections import (
     BUNDLED_MODELS,
     ENGINE_SHORTCUTS,
@@ -51,8 +52,6 @@ from zerotune.finetune.recipe_sections import (
     METHODS,
     EngineKeys,
     Recipe,
-    RecipeError,
-    check_recipe,
 )
 
 BUNDLED_RECIPES = {"default": "default_classification.yaml", "smollm2-lora": "smollm2_lora.yaml"}

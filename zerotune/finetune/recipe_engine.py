@@ -22,7 +22,8 @@ from zerotune.config.loading import (  # _plain_copy is private; reused, not dup
 from zerotune.config.pydantic_errors import show_value
 from zerotune.config.schema import ZeroTuneConfig
 from zerotune.config.types import AUTO
-from zerotune.finetune.recipe_sections import Recipe, RecipeError
+from zerotune.finetune.recipe_checks import RecipeError
+from zerotune.finetune.recipe_sections import Recipe
 from zerotune.monitor.writers import check_writer_packages
 
 

@@ -5,15 +5,14 @@ from __future__ import annotations
 from zerotune.optim.lamb import Lamb
 from zerotune.optim.lr_scaling import LR_SCALING_RULES, apply_lr_scaling, scale_lr_linear, scale_schedule_lrs
 from zerotune.optim.optimizers import OPTIMIZER_NAMES, build_optimizer, canonical_optimizer_name, optimizer_defaults
+from zerotune.optim.scheduler_config import SCHEDULER_NAMES, build_scheduler
 from zerotune.optim.schedulers import (
-    SCHEDULER_NAMES,
     WARMUP_TYPES,
     LRRangeTest,
     OneCycle,
     WarmupCosineLR,
     WarmupDecayLR,
     WarmupLR,
-    build_scheduler,
     warmup_fraction,
 )
 

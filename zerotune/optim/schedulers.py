@@ -18,7 +18,6 @@ rises again).
 
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from collections.abc import Mapping
@@ -27,17 +26,10 @@ from typing import Any
 import torch
 
 from zerotune.config.errors import ConfigError
-from zerotune.optim.validation import (
-    check_known_keys,
-    did_you_mean,
-    int_at_least,
-    number_at_least,
-    per_param_group,
-    reject_auto_values,
-)
+from zerotune.optim.validation import int_at_least, number_at_least, per_param_group
 
 WARMUP_TYPES = ("log", "linear")
-_PATH = "scheduler.params"
+PARAMS_PATH = "scheduler.params"
 
 
 def warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> float:
@@ -54,7 +46,7 @@ def warmup_fraction(iteration: int, warmup_num_steps: int, warmup_type: str) -> 
     return iteration / warmup_num_steps
 
 
-class _StepSchedule:
+class StepSchedule:
     """Shared mechanics: the step counter, writing lrs (and betas) to groups, checkpoint state.
 
     Subclasses define ``lrs_at(iteration)`` (one lr per param group) and may define
@@ -64,7 +56,7 @@ class _StepSchedule:
 
     def __init__(self, optimizer: Any, last_batch_iteration: int) -> None:
         self.optimizer = _torch_optimizer(optimizer)
-        self.last_batch_iteration = int_at_least(last_batch_iteration, -1, _PATH, "last_batch_iteration")
+        self.last_batch_iteration = int_at_least(last_batch_iteration, -1, PARAMS_PATH, "last_batch_iteration")
         self._from_optimizer: tuple[str, ...] = ()
         self._last_lr: list[float] = []
 
@@ -115,7 +107,7 @@ class _StepSchedule:
         self._last_lr = list(lrs)
 
 
-class LRRangeTest(_StepSchedule):
+class LRRangeTest(StepSchedule):
     """lr = min_lr * (1 + step_rate * interval), interval = (iteration + 1) / step_size (floored if staircase).
 
     Used to find the largest lr that still trains; ``lr_range_test_min_lr`` may be a list
@@ -132,9 +124,9 @@ class LRRangeTest(_StepSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.min_lrs = per_param_group(lr_range_test_min_lr, self.optimizer, _PATH, "lr_range_test_min_lr")
-        self.step_size = int_at_least(lr_range_test_step_size, 1, _PATH, "lr_range_test_step_size")
-        self.step_rate = number_at_least(lr_range_test_step_rate, 0.0, _PATH, "lr_range_test_step_rate")
+        self.min_lrs = per_param_group(lr_range_test_min_lr, self.optimizer, PARAMS_PATH, "lr_range_test_min_lr")
+        self.step_size = int_at_least(lr_range_test_step_size, 1, PARAMS_PATH, "lr_range_test_step_size")
+        self.step_rate = number_at_least(lr_range_test_step_rate, 0.0, PARAMS_PATH, "lr_range_test_step_rate")
         self.staircase = bool(lr_range_test_staircase)
         self._apply()
 
@@ -145,7 +137,7 @@ class LRRangeTest(_StepSchedule):
         return [min_lr * (1 + self.step_rate * interval) for min_lr in self.min_lrs]
 
 
-class OneCycle(_StepSchedule):
+class OneCycle(StepSchedule):
     """1Cycle: lr climbs min -> max over ``cycle_first_step_size`` steps, falls back over
     ``cycle_second_step_size``, then optionally decays as min_lr / (1 + decay_lr_rate * k / decay_step_size).
 
@@ -173,12 +165,12 @@ class OneCycle(_StepSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.min_lrs = per_param_group(cycle_min_lr, self.optimizer, _PATH, "cycle_min_lr")
-        self.max_lrs = per_param_group(cycle_max_lr, self.optimizer, _PATH, "cycle_max_lr")
-        first = int_at_least(cycle_first_step_size, 1, _PATH, "cycle_first_step_size")
+        self.min_lrs = per_param_group(cycle_min_lr, self.optimizer, PARAMS_PATH, "cycle_min_lr")
+        self.max_lrs = per_param_group(cycle_max_lr, self.optimizer, PARAMS_PATH, "cycle_max_lr")
+        first = int_at_least(cycle_first_step_size, 1, PARAMS_PATH, "cycle_first_step_size")
         second = first
         if cycle_second_step_size is not None:
-            second = int_at_least(cycle_second_step_size, 1, _PATH, "cycle_second_step_size")
+            second = int_at_least(cycle_second_step_size, 1, PARAMS_PATH, "cycle_second_step_size")
         self.total_size = float(first + second)
         self.step_ratio = first / self.total_size
         if cycle_first_stair_count or cycle_second_stair_count:
@@ -187,9 +179,9 @@ class OneCycle(_StepSchedule):
                 "it does not change the OneCycle schedule",
                 stacklevel=2,
             )
-        self.decay_step_size = int_at_least(decay_step_size, 0, _PATH, "decay_step_size")
-        self.decay_lr_rate = number_at_least(decay_lr_rate, 0.0, _PATH, "decay_lr_rate")
-        self.decay_mom_rate = number_at_least(decay_mom_rate, 0.0, _PATH, "decay_mom_rate")
+        self.decay_step_size = int_at_least(decay_step_size, 0, PARAMS_PATH, "decay_step_size")
+        self.decay_lr_rate = number_at_least(decay_lr_rate, 0.0, PARAMS_PATH, "decay_lr_rate")
+        self.decay_mom_rate = number_at_least(decay_mom_rate, 0.0, PARAMS_PATH, "decay_mom_rate")
         self.cycle_momentum = bool(cycle_momentum) and _has_betas(self.optimizer)
         if cycle_momentum and not self.cycle_momentum:
             warnings.warn(
@@ -197,8 +189,8 @@ class OneCycle(_StepSchedule):
                 "to cycle (as in DeepSpeed)",
                 stacklevel=2,
             )
-        self.min_mom = number_at_least(cycle_min_mom, 0.0, _PATH, "cycle_min_mom")
-        self.max_mom = number_at_least(cycle_max_mom, 0.0, _PATH, "cycle_max_mom")
+        self.min_mom = number_at_least(cycle_min_mom, 0.0, PARAMS_PATH, "cycle_min_mom")
+        self.max_mom = number_at_least(cycle_max_mom, 0.0, PARAMS_PATH, "cycle_max_mom")
         self._apply()
 
     def _scale(self, iteration: int) -> float:
@@ -230,7 +222,7 @@ class OneCycle(_StepSchedule):
         return [(beta1, 0.99)] * len(self.optimizer.param_groups)
 
 
-class WarmupLR(_StepSchedule):
+class WarmupLR(StepSchedule):
     """lr rises from ``warmup_min_lr`` to ``warmup_max_lr`` over ``warmup_num_steps`` ("log" or "linear"), then stays.
 
     Both lrs may be lists (one per group); a scalar applies to every group. Without
@@ -250,9 +242,9 @@ class WarmupLR(_StepSchedule):
         if warmup_max_lr is None:
             warmup_max_lr = float(self.optimizer.param_groups[0]["lr"])
             self._from_optimizer = ("max_lrs",)
-        self.min_lrs = per_param_group(warmup_min_lr, self.optimizer, _PATH, "warmup_min_lr")
-        self.max_lrs = per_param_group(warmup_max_lr, self.optimizer, _PATH, "warmup_max_lr")
-        self.warmup_num_steps = max(2, int_at_least(warmup_num_steps, 0, _PATH, "warmup_num_steps"))
+        self.min_lrs = per_param_group(warmup_min_lr, self.optimizer, PARAMS_PATH, "warmup_min_lr")
+        self.max_lrs = per_param_group(warmup_max_lr, self.optimizer, PARAMS_PATH, "warmup_max_lr")
+        self.warmup_num_steps = max(2, int_at_least(warmup_num_steps, 0, PARAMS_PATH, "warmup_num_steps"))
         self.warmup_type = _warmup_type(warmup_type)
         self._apply()
 
@@ -280,11 +272,11 @@ class WarmupDecayLR(WarmupLR):
         warmup_type: str = "log",
         last_batch_iteration: int = -1,
     ) -> None:
-        self.total_num_steps = int_at_least(total_num_steps, 1, _PATH, "total_num_steps")
+        self.total_num_steps = int_at_least(total_num_steps, 1, PARAMS_PATH, "total_num_steps")
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
         if self.total_num_steps < self.warmup_num_steps:
             warnings.warn(
-                f"{_PATH}.total_num_steps ({total_num_steps}) is less than warmup_num_steps ({warmup_num_steps})",
+                f"{PARAMS_PATH}.total_num_steps ({total_num_steps}) is less than warmup_num_steps ({warmup_num_steps})",
                 stacklevel=2,
             )
 
@@ -295,7 +287,7 @@ class WarmupDecayLR(WarmupLR):
         return max(0.0, (self.total_num_steps - iteration) / decay_steps)
 
 
-class WarmupCosineLR(_StepSchedule):
+class WarmupCosineLR(StepSchedule):
     """Scales each group's own lr: ratio rises from ``warmup_min_ratio`` to 1 over the warmup,
     then follows a half cosine to ``cos_min_ratio``, reached at iteration ``total_num_steps - 1``.
 
@@ -314,14 +306,14 @@ class WarmupCosineLR(_StepSchedule):
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
-        self.total_num_steps = int_at_least(total_num_steps, 1, _PATH, "total_num_steps")
-        self.warmup_min_ratio = number_at_least(warmup_min_ratio, 0.0, _PATH, "warmup_min_ratio")
-        self.warmup_num_steps = max(2, int_at_least(warmup_num_steps, 0, _PATH, "warmup_num_steps"))
-        self.cos_min_ratio = number_at_least(cos_min_ratio, 0.0, _PATH, "cos_min_ratio")
+        self.total_num_steps = int_at_least(total_num_steps, 1, PARAMS_PATH, "total_num_steps")
+        self.warmup_min_ratio = number_at_least(warmup_min_ratio, 0.0, PARAMS_PATH, "warmup_min_ratio")
+        self.warmup_num_steps = max(2, int_at_least(warmup_num_steps, 0, PARAMS_PATH, "warmup_num_steps"))
+        self.cos_min_ratio = number_at_least(cos_min_ratio, 0.0, PARAMS_PATH, "cos_min_ratio")
         self.warmup_type = _warmup_type(warmup_type)
         if self.total_num_steps <= self.warmup_num_steps:
             raise ConfigError(
-                f"{_PATH}.total_num_steps",
+                f"{PARAMS_PATH}.total_num_steps",
                 f"must exceed warmup_num_steps ({self.warmup_num_steps}, at least 2) to leave room for the "
                 f"cosine decay; got {total_num_steps}",
             )
@@ -346,52 +338,6 @@ class WarmupCosineLR(_StepSchedule):
         return [base_lr * ratio for base_lr in self.base_lrs]
 
 
-_SCHEDULES: dict[str, type[_StepSchedule]] = {
-    "LRRangeTest": LRRangeTest,
-    "OneCycle": OneCycle,
-    "WarmupLR": WarmupLR,
-    "WarmupDecayLR": WarmupDecayLR,
-    "WarmupCosineLR": WarmupCosineLR,
-}
-SCHEDULER_NAMES: tuple[str, ...] = tuple(_SCHEDULES)
-
-
-def build_scheduler(sched_type: str, params: Mapping[str, Any], optimizer: Any) -> _StepSchedule:
-    """Build DeepSpeed's ``{"type": sched_type, "params": params}`` schedule on ``optimizer``.
-
-    The type name is case-insensitive. Raises ``ConfigError`` naming
-    ``scheduler.type`` or ``scheduler.params.<key>`` for unknown, missing or bad values.
-    """
-    schedule_class = check_scheduler_section(sched_type, params)
-    reject_auto_values(dict(params or {}), _PATH)
-    return schedule_class(optimizer, **dict(params or {}))
-
-
-def check_scheduler_section(sched_type: Any, params: Mapping[str, Any] | None) -> type:
-    """The schedule class ``sched_type`` names, once its ``params`` keys are known and none it requires is
-    missing; a ConfigError naming ``scheduler.type`` or ``scheduler.params.<key>`` otherwise. Config
-    validation calls this too, so ``zerotune check`` and ``initialize`` report it before any model is built
-    ("auto" values are left to be resolved)."""
-    by_lower = {name.lower(): name for name in SCHEDULER_NAMES}
-    if not isinstance(sched_type, str) or sched_type.lower() not in by_lower:
-        hint = did_you_mean(sched_type, SCHEDULER_NAMES) if isinstance(sched_type, str) else ""
-        raise ConfigError(
-            "scheduler.type", f"unknown scheduler {sched_type!r}.{hint} Valid types: {', '.join(SCHEDULER_NAMES)}"
-        )
-    schedule_class = _SCHEDULES[by_lower[sched_type.lower()]]
-    params = dict(params or {})
-    signature = {
-        name: parameter
-        for name, parameter in inspect.signature(schedule_class.__init__).parameters.items()
-        if name not in ("self", "optimizer")
-    }
-    check_known_keys(params, signature, _PATH)
-    for name, parameter in signature.items():
-        if parameter.default is inspect.Parameter.empty and name not in params:
-            raise ConfigError(f"{_PATH}.{name}", f"required by {schedule_class.__name__} but missing")
-    return schedule_class
-
-
 def _torch_optimizer(optimizer: Any) -> Any:
     """The object whose ``param_groups`` get the lrs: an optimizer, or a wrapper's ``.optimizer``."""
     if hasattr(optimizer, "param_groups"):
@@ -411,5 +357,5 @@ def _has_betas(optimizer: Any) -> bool:
 
 def _warmup_type(value: Any) -> str:
     if value not in WARMUP_TYPES:
-        raise ConfigError(f"{_PATH}.warmup_type", f"must be one of {', '.join(WARMUP_TYPES)}; got {value!r}")
+        raise ConfigError(f"{PARAMS_PATH}.warmup_type", f"must be one of {', '.join(WARMUP_TYPES)}; got {value!r}")
     return value
