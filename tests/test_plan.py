@@ -323,12 +323,13 @@ def test_the_auto_layout_never_weighs_a_layout_the_engine_refuses() -> None:
 
 
 def test_across_splits_a_larger_budget_never_picks_a_slower_layout_and_the_budget_decides_the_split() -> None:
-    """Over splits (tensor-parallel size, pipeline stages) the chooser trades communication for time, so the
-    data-parallel property of test_a_larger_budget_never_picks_a_layout_with_more_communication is not a law
-    here: a pipeline that fits a tight budget has a bubble but sends little, and with more room ZeRO-3 without
-    the bubble is faster though it sends more (140 -> 160 MiB below); within the pipeline split, ZeRO-1 with the
-    optimizer on the host gives way to ZeRO-2, whose extra gradient traffic hides under the backward
-    (160 -> 180 MiB). What holds is time: more room never gives a slower layout."""
+    """Over splits (tensor-parallel size, pipeline stages, sequence-parallel size) the chooser trades
+    communication for time, so the data-parallel property of
+    test_a_larger_budget_never_picks_a_layout_with_more_communication is not a law here: a pipeline that fits a
+    tight budget has a bubble but sends little, and with more room ZeRO-3 without the bubble is faster though
+    it sends more (140 -> 160 MiB, one rank per node); tensor parallelism over 4 ranks fits where data
+    parallelism does not, and with room data parallelism is faster and sends more (120 -> 400 MiB, 4 ranks
+    per node). What holds is time: more room never gives a slower layout."""
     from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout
     from zerotune.plan.memory import Layout
 
@@ -336,7 +337,7 @@ def test_across_splits_a_larger_budget_never_picks_a_slower_layout_and_the_budge
                   prefetch_bucket=2**18)
     for ranks_per_node in (4, 1):  # tensor parallelism allowed, then not (one rank per node)
         profiles, _ = _tiny_llama_splits(4, ranks_per_node)
-        previous, splits_chosen = None, []
+        previous, splits_chosen, by_budget = None, [], {}
         for mib in range(100, 1000, 20):
             hardware = Hardware(device_memory=mib * 2**20, bandwidth=5e9, intra_node_bandwidth=20e9, flops=50e9,
                                 ranks_per_node=ranks_per_node)
@@ -346,9 +347,15 @@ def test_across_splits_a_larger_budget_never_picks_a_slower_layout_and_the_budge
                 continue
             assert best.device_bytes <= 0.9 * mib * 2**20
             assert previous is None or best.seconds <= previous.seconds, (mib, best.describe(), previous.describe())
-            previous = best
-            splits_chosen.append((best.layout.tp, best.layout.pp))
-        assert splits_chosen[0] != (1, 1) and splits_chosen[-1] == (1, 1), splits_chosen  # the budget decides
+            previous = by_budget[mib] = best
+            splits_chosen.append((best.layout.tp, best.layout.pp, best.layout.sp))
+        assert splits_chosen[0] != (1, 1, 1) and splits_chosen[-1] == (1, 1, 1), splits_chosen  # the budget decides
+        # counterexamples to "never more communication" across splits: a pipeline (one rank per node) or tensor
+        # parallelism over 4 ranks when memory is tight, data parallelism sending more when there is room
+        tight, roomier = (by_budget[140], by_budget[160]) if ranks_per_node == 1 else (by_budget[120], by_budget[400])
+        assert (tight.layout.pp, tight.layout.tp) == ((2, 1) if ranks_per_node == 1 else (1, 4)), tight.describe()
+        assert (roomier.layout.pp, roomier.layout.tp, roomier.layout.sp) == (1, 1, 1), roomier.describe()
+        assert roomier.comm_bytes > 2 * tight.comm_bytes and roomier.seconds < tight.seconds
 
 
 def _train_chosen_split(stage: int, tp: int, pp: int, sp: int, micro: int, gas: int, checkpointing: bool,
