@@ -279,8 +279,8 @@ def test_a_pipeline_step_takes_the_slowest_stage_and_each_stage_all_reduces_its_
     """The tiny Llama's 2 stages hold about the same parameters, but the first only looks its embedding up while
     the last multiplies by its head: the last sets the step time. Under TP 2 x PP 2, a rank all-reduces its own
     stage's 2 blocks, not the model's 4."""
-    from zerotune.plan.auto import Hardware, candidates, stage_profiles, step_seconds
-    from zerotune.plan.memory import Layout
+    from zerotune.plan.auto import Hardware, candidates, step_seconds
+    from zerotune.plan.memory import Layout, stage_profiles
 
     profiles, _ = _tiny_llama_splits(4, 4)
     hardware = Hardware(device_memory=2**30, flops=50e9, bandwidth=5e9, intra_node_bandwidth=10e9)

@@ -97,10 +97,10 @@ def _gib(value: int) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout, stage_profiles, step_seconds
+    from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout, step_seconds
     from zerotune.plan.splits import split_profiles
     from zerotune.plan.memory import (asks_for_auto_stage, check_composes, layout_from_config, plan_from_profile,
-                                      profile_model)
+                                      profile_model, stage_profiles)
     from zerotune.plan.meta_model import PlanModelError, meta_model
 
     try:

@@ -44,7 +44,7 @@ import torch
 
 from zerotune.parallel.composition import refusal
 from zerotune.plan.measure import Measured
-from zerotune.plan.memory import Layout, ModelProfile, plan_from_profile
+from zerotune.plan.memory import Layout, ModelProfile, plan_from_profile, stage_profiles
 
 HOST_OPTIMIZER_PARAMS_PER_S = 1e9  # parameters a host Adam updates per second per rank (order of magnitude)
 
@@ -156,17 +156,6 @@ def step_seconds(layout: Layout, profile: ModelProfile, gas: int, checkpointing:
         width = 2 if layout.precision in ("bf16", "fp16") else 4
         seconds += gas * 2 * width * params / layout.zero_group / hardware.host_bandwidth
     return seconds, comm, communicating
-
-
-def stage_profiles(profile: ModelProfile, layout: Layout) -> list[ModelProfile]:
-    """What one rank of each pipeline stage multiplies and runs: its stage's parameters (the input embedding
-    only looked up, on the first stage) and blocks (``stages`` = that stage's share); the whole profile when
-    not pipelined. The stages' memory differs from their compute (the head stage's logits, the first
-    stage's lookup), so the fullest stage sets the memory and the slowest the time."""
-    if layout.pp == 1 or not profile.stages:
-        return [profile]
-    return [dataclasses.replace(profile, trainable=share.trainable, frozen=share.frozen, stages=(share,),
-                                lookup=profile.embedding if share.index == 0 else 0) for share in profile.stages]
 
 
 def candidates(profile: ModelProfile, base: Layout, per_rank_batch: int, hardware: Hardware,

@@ -196,16 +196,26 @@ def plan_rank(model: torch.nn.Module, layout: Layout, seq_len: int, task: str = 
                              layout)
 
 
+def stage_profiles(profile: ModelProfile, layout: Layout) -> list[ModelProfile]:
+    """What one rank of each pipeline stage multiplies and runs: its stage's parameters (the input embedding
+    only looked up, on the first stage) and blocks (``stages`` = that stage's share); the whole profile when
+    not pipelined. The stages' memory differs from their compute (the head stage's logits, the first
+    stage's lookup), so the fullest stage sets the memory and the slowest the time."""
+    if layout.pp == 1 or not profile.stages:
+        return [profile]
+    return [dataclasses.replace(profile, trainable=share.trainable, frozen=share.frozen, stages=(share,),
+                                lookup=profile.embedding if share.index == 0 else 0) for share in profile.stages]
+
+
 def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
     """Per-rank memory of ``layout`` for a profiled model (pure arithmetic: the auto layout calls it per
     candidate); with pipeline stages, the fullest stage's rank."""
     if layout.pp > 1 and profile.stages:
         plans = []
-        for share in profile.stages:
-            narrowed = dataclasses.replace(profile, trainable=share.trainable, frozen=share.frozen, stages=(),
-                                           lookup=profile.embedding if share.index == 0 else 0,
-                                           per_example=stage_activations(profile.per_example, share,
-                                                                         in_flight(share.index, layout.pp, layout.gas)))
+        for held in stage_profiles(profile, layout):
+            share = held.stages[0]
+            narrowed = dataclasses.replace(held, stages=(), per_example=stage_activations(
+                profile.per_example, share, in_flight(share.index, layout.pp, layout.gas)))
             plan = plan_from_profile(narrowed, dataclasses.replace(layout, pp=1))
             plan.stage = share.index
             plans.append(plan)
