@@ -238,3 +238,26 @@ def _env_on_rank() -> tuple:
 
 def test_init_distributed_reuses_the_launchers_group():
     assert run_distributed(_env_on_rank, 2) == [(0, 2, 0, "gloo", "cpu"), (1, 2, 1, "gloo", "cpu")]
+
+
+_EXIT_PROBE = """
+import atexit, sys, torch.distributed as dist, zerotune
+atexit.register(lambda: print("group at exit:", dist.is_initialized(), flush=True))  # runs after zerotune's
+zerotune.init_distributed()
+if sys.argv[1] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("ending, torn_down", [("return", True), ("raise", False)])
+def test_a_clean_exit_tears_the_process_group_down_and_a_failed_one_does_not_wait_for_it(ending, torn_down):
+    """A group left to interpreter finalization aborts a finished process now and then (exit -6, a failed
+    torchrun job); tearing it down waits for in-flight collectives, which a failing rank must not do."""
+    clean = {k: v for k, v in os.environ.items()
+             if k not in LAUNCHER_VARS and not k.startswith(("OMPI_", "SLURM_", "PMI_"))}
+    clean.update(OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO_ROOT))
+    done = subprocess.run([sys.executable, "-c", _EXIT_PROBE, ending], env=clean, cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == (0 if torn_down else 1), done.stderr
+    assert done.stdout.strip().splitlines()[-1] == f"group at exit: {not torn_down}"
+    assert ("the script failed" in done.stderr) is not torn_down  # the failure still reaches the user

@@ -10,8 +10,11 @@ process group, so world size 1 runs exactly the same code as world size 64.
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import sys
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -38,6 +41,8 @@ def _default_timeout() -> timedelta:
 
 
 DEFAULT_TIMEOUT = _default_timeout()
+EXIT_GRACE_S = 10.0
+"""How long a clean exit waits for the process group to come down before leaving it to finalization."""
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,46 @@ def _pick_device(local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+class _ExitRelease:
+    """Tear down the process group ``init_distributed`` made when the interpreter exits normally.
+
+    DeepSpeed scripts rarely call ``destroy_process_group``; under torch 2.13 a gloo group left to
+    interpreter finalization aborts the process about one exit in twenty ("terminate called without an
+    active exception", exit -6) after every rank finished its work, so torchrun reports a failed job
+    (measured with a plain torch script: 2 of 40 runs without the teardown, 0 of 40 with it). Tearing
+    down waits for the group's in-flight work, so it is skipped after an uncaught exception (a peer may
+    still wait in a collective with this rank: the failure must end the process now, not when the peer
+    gives up) and bounded by ``EXIT_GRACE_S`` otherwise.
+    """
+
+    def __init__(self) -> None:
+        self.armed = False
+        self.failed = False
+
+    def arm(self) -> None:
+        if self.armed:
+            return
+        self.armed = True
+        previous = sys.excepthook
+
+        def note_failure(kind, value, traceback) -> None:  # noqa: ANN001 - sys.excepthook's signature
+            self.failed = True
+            previous(kind, value, traceback)
+
+        sys.excepthook = note_failure
+        atexit.register(self.release)
+
+    def release(self) -> None:
+        if self.failed or not dist.is_initialized():
+            return
+        teardown = threading.Thread(target=dist.destroy_process_group, name="zerotune-exit", daemon=True)
+        teardown.start()
+        teardown.join(EXIT_GRACE_S)
+
+
+_EXIT_RELEASE = _ExitRelease()
+
+
 def current_env() -> DistEnv:
     """The environment of an already initialized process group."""
     if not dist.is_initialized():
@@ -169,6 +214,7 @@ def init_distributed(
         backend = dist_backend or ("nccl" if torch.cuda.is_available() else "gloo")
         device = _pick_device(0)
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        _EXIT_RELEASE.arm()
         return DistEnv(0, 1, 0, device, backend)
     rank, world_size, local_rank = launched
     device = _pick_device(local_rank)
@@ -186,4 +232,5 @@ def init_distributed(
         backend, rank=rank, world_size=world_size, timeout=timeout, **rendezvous,
         **({"device_id": device} if device.type == "cuda" else {}),
     )
+    _EXIT_RELEASE.arm()
     return DistEnv(rank, world_size, local_rank, device, backend)

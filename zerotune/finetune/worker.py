@@ -239,9 +239,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="zerotune.finetune.worker")).parse_args(argv)
-    run(args)
-    if torch.distributed.is_initialized():  # before interpreter exit, while every peer is still connected
-        torch.distributed.destroy_process_group()
+    run(args)  # init_distributed tears its process group down at exit
     return 0
 
 
