@@ -24,7 +24,7 @@ from zerotune.distributed.watchdog import WATCHDOG
 from zerotune.engine import Engine
 from zerotune.engine_data import build_dataloader
 from zerotune.monitor.logging import log_rank0
-from zerotune.parallel.activation_checkpointing import apply_activation_checkpointing
+from zerotune.parallel.activation_checkpointing import checkpoint_blocks_at_initialize
 from zerotune.initialize_parallel import (check_model_parallel_composes, install_sequence_parallel,
                                           model_parallel_norm, parallel_dims, split_tensor_parallel)
 from zerotune.pipe.engine import PipelineEngine
@@ -216,13 +216,12 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     check_model_parallel_composes(cfg, mesh)
     check_pipeline_composes(cfg, mesh)
     # The config is the source of truth for zerotune.checkpointing.checkpoint(...) calls and for blocks wrapped by
-    # apply_activation_checkpointing(model) without an explicit policy (they read it at call time).
+    # apply_activation_checkpointing(model) without an explicit policy (they read it at call time). The block wraps
+    # the model's own blocks only where it declares them (checkpoint_blocks_at_initialize says why).
     configure_activation_checkpointing(deepspeed_config=cfg.activation_checkpointing)
-    if "activation_checkpointing" in raw.model_fields_set:  # the block asks for it: checkpoint the model's blocks
-        wrapped = apply_activation_checkpointing(model)
-        log_rank0("activation checkpointing: %s", f"{len(wrapped)} block(s) wrapped ({wrapped[0]}, ...)" if wrapped
-                  else "no transformer blocks found (no _no_split_modules); call zerotune.checkpointing.checkpoint "
-                       "in the model's forward", rank=env.rank)
+    if "activation_checkpointing" in raw.model_fields_set:
+        _, outcome = checkpoint_blocks_at_initialize(model, cfg.activation_checkpointing.wrap_blocks)
+        log_rank0("activation checkpointing: %s", outcome, rank=env.rank)
     policy = policy_from_flags(fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled)
 
     pipelined = isinstance(model, PipelineModule) or mesh.size("pp") > 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from zerotune import comm
 from zerotune.compat import accelerator, checkpointing, ops, pipe, runtime, utils, zero
+from zerotune.compat.accelerator import get_accelerator
 from zerotune.compat.alias import DEEPSPEED_VERSION
 from zerotune.compat.lr_schedules import add_tuning_arguments
 from zerotune.compat.refusals import refused_class, refused_function
@@ -24,5 +25,5 @@ DeepSpeedTransformerConfig = refused_class("deepspeed.DeepSpeedTransformerConfig
 __all__ = [
     "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
     "PipelineEngine", "DeepSpeedConfig", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator", "utils",
-    "runtime", "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
+    "runtime", "get_accelerator", "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
 ]

@@ -53,7 +53,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed": Mapped("zerotune.compat.deepspeed", (
         "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
         "PipelineEngine", "DeepSpeedConfig", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator",
-        "utils", "runtime", "__version__", "__version_major__", "__version_minor__", "__version_patch__",
+        "utils", "runtime", "get_accelerator", "__version__", "__version_major__", "__version_minor__", "__version_patch__",
         "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig")),
     "deepspeed.comm": Mapped("zerotune.comm", _COMM),
     "deepspeed.comm.comm": Mapped("zerotune.comm", _COMM),
@@ -61,8 +61,11 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.accelerator.real_accelerator": Mapped("zerotune.compat.accelerator", _ACCELERATOR),
     "deepspeed.accelerator.abstract_accelerator": Mapped("zerotune.compat.accelerator", ("DeepSpeedAccelerator",)),
     "deepspeed.utils": Mapped("zerotune.compat.utils", (
-        "logger", "log_dist", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+        "logger", "log_dist", "logging", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
         "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx")),
+    "deepspeed.utils.logging": Mapped("zerotune.compat.ds_logging", (
+        "logger", "log_dist", "print_json_dist", "warning_once", "LoggerFactory", "get_current_level",
+        "should_log_le", "set_log_level_from_string", "get_log_level_from_string", "log_levels")),
     "deepspeed.utils.groups": Mapped("zerotune.compat.groups", (
         "_get_data_parallel_group", "_get_data_parallel_world_size", "_get_data_parallel_rank",
         "_get_model_parallel_group", "_get_model_parallel_world_size", "_get_model_parallel_rank",

@@ -3,34 +3,17 @@
 from __future__ import annotations
 
 import functools
-import logging
 import random
 from typing import Any, Callable, Iterable
 
 import torch
-import torch.distributed as dist
 
+from zerotune.compat import ds_logging as logging  # ``deepspeed.utils.logging`` is DeepSpeed's module, not the stdlib's
 from zerotune.compat import groups
-from zerotune.monitor.logging import get_logger
+from zerotune.compat.ds_logging import log_dist, logger
 
-logger = get_logger()
-
-__all__ = ["logger", "log_dist", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
+__all__ = ["logger", "log_dist", "logging", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx"]
-
-
-def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:
-    """Log ``message`` on the listed ranks (``[-1]``: every rank), prefixed ``[Rank r]``, as DeepSpeed.
-
-    Once torch.distributed is initialized, no ``ranks`` means no rank logs (DeepSpeed's rule);
-    before, the single process logs.
-    """
-    should_log = not dist.is_initialized()
-    my_rank = dist.get_rank() if dist.is_initialized() else -1
-    if ranks and not should_log:
-        should_log = ranks[0] == -1 or my_rank in set(ranks)
-    if should_log:
-        logger.log(level, "[Rank %d] %s", my_rank, message)
 
 
 class RepeatingLoader:

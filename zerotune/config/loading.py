@@ -52,7 +52,7 @@ def load_config(source: Any) -> ZeroTuneConfig:
 def config_from_dict(raw: dict[str, Any]) -> ZeroTuneConfig:
     """Passes 2-4 on an already-read dict; provenance marks given keys "file"."""
     notes: list[tuple[str, str]] = []
-    normalized = normalize_keys(raw, ZeroTuneConfig, "", notes)
+    normalized = normalize_keys(expand_dotted_keys(raw), ZeroTuneConfig, "", notes)
     try:
         cfg = ZeroTuneConfig.model_validate(normalized)
     except ValidationError as exc:
@@ -64,6 +64,39 @@ def config_from_dict(raw: dict[str, Any]) -> ZeroTuneConfig:
     cfg._provenance.update(_given_provenance(cfg, normalized))
     cfg._notes.extend(notes)
     return cfg
+
+
+def expand_dotted_keys(raw: dict[str, Any]) -> dict[str, Any]:
+    """Move DeepSpeed's dotted top-level keys into their sections: ``{"zero_optimization.stage": 3}`` is
+    ``{"zero_optimization": {"stage": 3}}``.
+
+    DeepSpeed clients write them (TRL's reference-model setup adds ``zero_optimization.reduce_bucket_size``
+    and friends beside the block); the leaf is then checked like any other key, so an unknown one is
+    refused under its full path. A dotted key that disagrees with the same key in its block is an error.
+    """
+    dotted = [k for k in raw if isinstance(k, str) and "." in k and not k.startswith("_")]
+    if not dotted:
+        return raw
+    expanded = {k: v for k, v in raw.items() if k not in dotted}
+    for key in dotted:
+        parts = key.split(".")
+        if any(not part for part in parts):
+            raise ConfigError(_printable(key), "a dotted key needs a name between every pair of dots "
+                                               "(as in 'zero_optimization.stage')")
+        node = expanded
+        for depth, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, Mapping):
+                raise ConfigError(_printable(key), f"'{'.'.join(parts[:depth + 1])}' is {show_value(child)}, "
+                                                   "not a section, so it cannot hold a dotted key's value")
+            node[part] = child = dict(child)
+            node = child
+        leaf = parts[-1]
+        if leaf in node and node[leaf] != raw[key]:
+            raise ConfigError(_printable(key), f"given twice with different values: {show_value(raw[key])} here "
+                                               f"and {show_value(node[leaf])} in the '{parts[0]}' block; keep one")
+        node[leaf] = raw[key]
+    return expanded
 
 
 def _plain_copy(source: Mapping[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import Field, field_validator
+from pydantic import Field, StrictBool, field_validator
 
 from .section import NoEffect, Section
 from .types import (
@@ -102,6 +102,13 @@ class ActivationCheckpointingConfig(Section):
     """Synchronize devices at each checkpoint boundary (for debugging and timing)."""
     profile: AutoBool = False
     """Log the forward and backward time of each checkpointed function."""
+    wrap_blocks: Optional[StrictBool] = None
+    """zerotune extension: whether ``initialize`` checkpoints the model's transformer blocks itself.
+
+    None (default): when the model declares them (a Hugging Face ``_no_split_modules``) and its own
+    gradient checkpointing is off; a model without declared blocks is left as it is, and the block
+    then only configures ``zerotune.checkpointing`` (``deepspeed.checkpointing``), as in DeepSpeed.
+    true: always (an error if no block is found); false: never."""
 
 
 class PipelineConfig(Section):

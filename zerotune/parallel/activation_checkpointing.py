@@ -254,6 +254,26 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
     return chosen
 
 
+def checkpoint_blocks_at_initialize(model: torch.nn.Module, wrap_blocks: bool | None) -> tuple[list[str], str]:
+    """What ``initialize`` does with an ``activation_checkpointing`` block: the wrapped names, and why.
+
+    In DeepSpeed the block only configures ``deepspeed.checkpointing`` for the model's own
+    ``checkpoint(...)`` calls; tools such as Lightning write it for every model. So a model that
+    declares no blocks, or already checkpoints them itself (Hugging Face gradient checkpointing), is
+    left alone unless ``wrap_blocks`` is true; false never wraps.
+    """
+    if wrap_blocks is False:
+        return [], "wrap_blocks is false: the block configures zerotune.checkpointing only"
+    if wrap_blocks is None:
+        if any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules()):
+            return [], "the model's own (Hugging Face) gradient checkpointing is on; its blocks are left to it"
+        if not any(getattr(m, "_no_split_modules", None) for m in model.modules()):
+            return [], ("the model declares no transformer blocks (no _no_split_modules): the block configures "
+                        "zerotune.checkpointing for the model's own checkpoint(...) calls")
+    wrapped = apply_activation_checkpointing(model)
+    return wrapped, f"{len(wrapped)} block(s) wrapped" + (f" ({wrapped[0]}, ...)" if wrapped else "")
+
+
 def remove_activation_checkpointing(model: torch.nn.Module) -> list[str]:
     """Undo ``apply_activation_checkpointing``; returns the names of the modules restored."""
     restored = []

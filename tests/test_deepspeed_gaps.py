@@ -1,0 +1,133 @@
+"""The DeepSpeed names and config habits that tools built on DeepSpeed hit (issue 28, item 3): dotted
+top-level keys (TRL's reference-model setup), ``deepspeed.utils.logging`` (Lightning), ``from deepspeed
+import get_accelerator`` (DeepSpeed-Chat), and an ``activation_checkpointing`` block on a model that
+declares no blocks (Lightning writes one for every model)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import zerotune
+from tests.harness import run_distributed
+from tests.models import make_gpt2, make_mlp, mlp_batch
+from zerotune.compat import install_deepspeed_alias
+from zerotune.compat.alias import uninstall_deepspeed_alias
+from zerotune.config import ConfigError, load_config
+from zerotune.parallel import activation_checkpointing as ac
+from zerotune.parallel.activation_checkpointing import checkpoint_blocks_at_initialize, checkpointed_module_names
+
+
+@pytest.fixture
+def alias():
+    install_deepspeed_alias()
+    try:
+        yield
+    finally:
+        uninstall_deepspeed_alias()
+
+
+def test_dotted_top_level_keys_go_into_their_sections() -> None:
+    # what TRL's prepare_deepspeed adds beside the zero_optimization block for its reference model
+    config = load_config({"train_batch_size": 8, "zero_optimization": {"stage": 3},
+                          "zero_optimization.reduce_bucket_size": 4096,
+                          "zero_optimization.stage3_param_persistence_threshold": 640,
+                          "zero_optimization.stage3_prefetch_bucket_size": 3686})
+    zero = config.zero_optimization
+    assert (zero.stage, zero.reduce_bucket_size, zero.stage3_param_persistence_threshold) == (3, 4096, 640)
+    assert zero.stage3_prefetch_bucket_size == 3686
+    # no block beside them: the dotted keys make it; equal values in both places are one value
+    assert load_config({"bf16.enabled": True}).bf16.enabled is True
+    assert load_config({"fp16": {"enabled": False}, "fp16.enabled": False}).fp16.enabled is False
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"zero_optimization.reduce_bucket_sise": 1}, r"zero_optimization\.reduce_bucket_sise: unknown key"),
+    ({"zero_optimization": {"stage": 2}, "zero_optimization.stage": 3},
+     r"zero_optimization\.stage: given twice with different values: 3 here and 2 in the 'zero_optimization' block"),
+    ({"fp16": True, "fp16.enabled": True}, r"fp16\.enabled: 'fp16' is true, not a section"),
+    ({"zero_optimization..stage": 1}, r"zero_optimization\.\.stage: a dotted key needs a name between every pair"),
+])
+def test_a_bad_dotted_key_is_one_line_naming_it(raw: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(raw)
+
+
+def test_utils_logging_is_deepspeeds_logging_module(alias) -> None:
+    import deepspeed
+    from deepspeed.utils.logging import log_dist, logger, should_log_le
+
+    assert deepspeed.utils.logging.logger is logger is logging.getLogger("zerotune")
+    assert deepspeed.utils.log_dist is log_dist
+    before = logger.level
+    try:
+        deepspeed.utils.logging.logger.setLevel(logging.WARNING)  # what Lightning's DeepSpeedStrategy does
+        assert not should_log_le("info") and should_log_le("warning")
+        with pytest.raises(ValueError, match="'loud' is not one of debug, info, warning, error, critical"):
+            should_log_le("loud")
+    finally:
+        logger.setLevel(before)
+
+
+def test_get_accelerator_from_the_top_level(alias) -> None:
+    from deepspeed import get_accelerator
+    from deepspeed.accelerator import get_accelerator as from_accelerator
+
+    assert get_accelerator is from_accelerator
+    assert get_accelerator().device_name() in ("cpu", "cuda")
+
+
+class _PlainNet(nn.Module):
+    """A model with no declared blocks, as a LightningModule or a hand-written network."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def test_the_block_wraps_only_declared_blocks_unless_told() -> None:
+    plain = _PlainNet()
+    assert checkpoint_blocks_at_initialize(plain, None)[0] == []
+    assert "declares no transformer blocks" in checkpoint_blocks_at_initialize(plain, None)[1]
+    with pytest.raises(ValueError, match="has no _no_split_modules"):
+        checkpoint_blocks_at_initialize(plain, True)
+    gpt2 = make_gpt2()
+    assert checkpoint_blocks_at_initialize(gpt2, False)[0] == [] and checkpointed_module_names(gpt2) == []
+    assert checkpoint_blocks_at_initialize(gpt2, None)[0] == ["transformer.h.0", "transformer.h.1"]
+    ac.remove_activation_checkpointing(gpt2)
+    hf_checkpointed = make_gpt2()
+    enable = getattr(hf_checkpointed, "activation_checkpointing_enable", None) or \
+        hf_checkpointed.gradient_checkpointing_enable
+    enable()
+    wrapped, why = checkpoint_blocks_at_initialize(hf_checkpointed, None)
+    assert wrapped == [] and "gradient checkpointing is on" in why
+
+
+def _plain_module_with_a_checkpointing_block() -> dict:
+    model = make_mlp()
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "activation_checkpointing": {"partition_activations": False, "cpu_checkpointing": False,
+                                           "contiguous_memory_optimization": False, "synchronize_checkpoint_boundary":
+                                           False}}  # Lightning's block, as it writes it
+    engine, *_ = zerotune.initialize(model=model, config=config)
+    try:
+        batch = mlp_batch(0, 0, 2)
+        loss = engine(batch["x"], batch["y"])
+        engine.backward(loss)
+        engine.step()
+        return {"loss": float(loss), "wrapped": checkpointed_module_names(model),
+                "configured": zerotune.checkpointing.is_configured()}
+    finally:
+        engine.destroy()
+        ac._configured_policy = None  # pool workers outlive the test
+
+
+def test_a_plain_module_with_an_activation_checkpointing_block_trains() -> None:
+    result = run_distributed(_plain_module_with_a_checkpointing_block, 2, timeout=120)[0]
+    assert result["wrapped"] == [] and result["configured"] and result["loss"] > 0
