@@ -18,11 +18,12 @@ import torch
 
 from zerotune.distributed import comm
 from zerotune.distributed.guard import GUARD
+from zerotune.engine_compile import EngineCompile
 from zerotune.engine_core import EngineCore, check_batch_not_empty, loss_from_output, map_tensors
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
 
 
-class Engine(EngineCore):
+class Engine(EngineCompile, EngineCore):
     """Wraps a model for data-parallel training: DeepSpeed's micro-step API over the step core."""
 
     def __init__(self, **core: Any) -> None:

@@ -225,6 +225,10 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     policy = policy_from_flags(fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled)
 
     pipelined = isinstance(model, PipelineModule) or mesh.size("pp") > 1
+    if cfg.compile.enabled and (pipelined or cfg.zero_optimization.stage == 3):
+        raise NotSupportedYetError("compile.enabled", "torch.compile of a pipeline's stages or of a ZeRO stage-3 model "
+                                                      "is not supported yet (engine.compile says why); compile at "
+                                                      "stages 0-2 without a pipeline")
     cut_here = pipelined and not isinstance(model, PipelineModule)  # an HF model every rank built whole
     if not cut_here:  # (one to cut stays on the host until then: only this rank's stage goes to the device)
         model.to(env.device)
@@ -278,6 +282,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                                                           collate_fn, cfg.dataloader_drop_last),
                     compressor=compressor,
                     client_optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
+    if cfg.compile.enabled:
+        engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     if cfg.checkpoint.auto_resume:
         path, _ = engine.resume_newest_checkpoint()
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")

@@ -78,6 +78,8 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.config": Mapped("zerotune.compat.runtime", ("DeepSpeedConfig",)),
     "deepspeed.runtime.utils": Mapped("zerotune.compat.runtime", ("set_random_seed", "see_memory_usage")),
     "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
+    "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (
+        "is_compile_supported", "disable", "enable", "is_compiling", "compiled_autograd")),
     "deepspeed.runtime.lr_schedules": Mapped("zerotune.compat.lr_schedules", _LR_SCHEDULES),
     "deepspeed.runtime.zero": Mapped("zerotune.compat.zero", _ZERO),
     "deepspeed.runtime.zero.partition_parameters": Mapped("zerotune.compat.zero", (
@@ -110,6 +112,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
 }
 
 REFUSED_MODULES: dict[str, str] = {
+    "deepspeed.compile": "DeepCompile's graph passes (deepspeed.compile; engine.compile() runs torch.compile)",
     "deepspeed.inference": "inference (init_inference, kernel injection)",
     "deepspeed.module_inject": "inference kernel injection",
     "deepspeed.moe": "Mixture-of-Experts layers (deepspeed.moe)",

@@ -20,6 +20,7 @@ from .sections import (
     AioConfig,
     BF16Config,
     CheckpointConfig,
+    CompileConfig,
     FP16Config,
     GradientCompressionConfig,
     LRScalingConfig,
@@ -56,7 +57,7 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 _NO_EFFECT_TOP: dict[str, NoEffect] = {
     **{block: (_disabled, '{"enabled": false}', "the feature is off") for block in (
         "flops_profiler", "autotuning", "elasticity", "data_efficiency", "curriculum_learning", "amp", "eigenvalue",
-        "progressive_layer_drop", "hybrid_engine", "nebula", "comet", "compile", "torch_autocast")},
+        "progressive_layer_drop", "hybrid_engine", "nebula", "comet", "torch_autocast")},
     "comms_logger": (None, "", "every collective is always counted: zerotune.comm.comm_stats() / log_summary()"),
     "timers": (None, "", "the throughput timer always runs (engine.tput_timer)"),
     "zero_force_ds_cpu_optimizer": (None, "", "offloaded optimizer steps run torch's kernels for any torch optimizer"),
@@ -117,6 +118,8 @@ class ZeroTuneConfig(Section):
     """Top-K gradient compression of the data-parallel reductions (zerotune); absent = dense."""
     pipeline: PipelineConfig = Field(default_factory=PipelineConfig)
     """Pipeline parallelism."""
+    compile: CompileConfig = Field(default_factory=CompileConfig)
+    """torch.compile of the model (DeepSpeed's ``compile`` block; DeepCompile refused)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism (AutoTP)."""
     sequence_parallel_size: AutoPosInt = 1

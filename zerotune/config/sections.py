@@ -111,6 +111,43 @@ class ActivationCheckpointingConfig(Section):
     true: always (an error if no block is found); false: never."""
 
 
+TORCH_COMPILE_KWARGS = ("mode", "fullgraph", "dynamic", "options", "disable")
+_DEEPCOMPILE_OPTIONS = (
+    "free_activation", "free_activation_threshold", "offload_activation", "offload_activation_pin_memory",
+    "offload_opt_states", "double_buffer", "symmetric_memory", "debug_log", "offload_parameters",
+    "sync_before_reduce", "sync_after_reduce", "sync_before_allgather", "sync_after_allgather",
+    "keep_int_input_tensors", "keep_all_input_tensors", "passes")
+
+
+class CompileConfig(Section):
+    """``compile``: ``torch.compile`` of the engine's module (``engine.compile()`` does it from a script).
+
+    DeepSpeed 0.14's form (``enabled``, ``backend``, ``kwargs``) compiles at ``initialize``. DeepCompile
+    (``deepcompile: true``, graph passes that move ZeRO's collectives into the graph) is not zerotune's:
+    refused; its options change nothing while it is off."""
+
+    NO_EFFECT: ClassVar[dict[str, NoEffect]] = {
+        "deepcompile": (lambda v: v is False, "false", "DeepCompile is off"),
+        **{key: (None, "", "a DeepCompile option; DeepCompile is off") for key in _DEEPCOMPILE_OPTIONS},
+    }
+
+    enabled: AutoBool = False
+    """Compile the model at ``initialize`` (as ``engine.compile(backend, kwargs)``)."""
+    backend: Str = "inductor"
+    """The ``torch.compile`` backend ("inductor", "aot_eager", "eager", or a registered one)."""
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Further ``torch.compile`` arguments: ``mode``, ``fullgraph``, ``dynamic``, ``options``."""
+
+    @field_validator("kwargs")
+    @classmethod
+    def _torch_compile_arguments(cls, value: dict[str, Any]) -> dict[str, Any]:
+        unknown = sorted(set(value) - set(TORCH_COMPILE_KWARGS))
+        if unknown:
+            raise ValueError(f"{unknown} are not torch.compile arguments; valid: {', '.join(TORCH_COMPILE_KWARGS)} "
+                             "(the backend has a key of its own)")
+        return value
+
+
 class PipelineConfig(Section):
     """``pipeline``: pipeline-parallel layout."""
 
