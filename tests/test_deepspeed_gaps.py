@@ -131,3 +131,24 @@ def _plain_module_with_a_checkpointing_block() -> dict:
 def test_a_plain_module_with_an_activation_checkpointing_block_trains() -> None:
     result = run_distributed(_plain_module_with_a_checkpointing_block, 2, timeout=120)[0]
     assert result["wrapped"] == [] and result["configured"] and result["loss"] > 0
+
+
+def test_what_deepspeeds_own_test_harness_reads(alias) -> None:
+    """DeepSpeed's tests/unit read these before any test runs (git_version_info, op builders, torch version)."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.git_version_info import compatible_ops, installed_ops, torch_info
+    from deepspeed.ops.op_builder import CPUAdamBuilder, FusedAdamBuilder, InferenceBuilder
+    from deepspeed.utils.torch import required_torch_version
+
+    assert torch_info["version"] == ".".join(torch.__version__.split(".")[:2])
+    assert deepspeed.ops.__compatible_ops__ is compatible_ops and not any(installed_ops.values())
+    assert compatible_ops[CPUAdamBuilder.NAME] and compatible_ops[FusedAdamBuilder.NAME]
+    assert not compatible_ops[InferenceBuilder.NAME]  # a feature zerotune does not have: DeepSpeed's tests skip
+    assert get_accelerator().create_op_builder("FusedAdamBuilder").is_compatible()
+    assert get_accelerator().get_op_builder("NoSuchBuilder") is None
+    assert CPUAdamBuilder().load().DeepSpeedCPUAdam is deepspeed.ops.adam.DeepSpeedCPUAdam
+    with pytest.raises(ImportError, match="the compiled op 'transformer_inference'"):
+        InferenceBuilder().load()
+    assert required_torch_version(min_version=1.8) and not required_torch_version(min_version=99)
+    assert required_torch_version(max_version=torch.__version__.split("+")[0])

@@ -341,16 +341,21 @@ class Accelerator:
     def lazy_call(self, callback: Callable[[], Any]) -> Any:
         return torch.cuda._lazy_call(callback) if self._cuda else callback()
 
-    # --- compiled ops: zerotune has none ---------------------------------------------------
+    # --- compiled ops: zerotune builds none; the builders say which capabilities exist (op_builder.py) ----
     def op_builder_dir(self) -> str:
-        return "zerotune.compat.ops"
+        return "zerotune.compat.op_builder"
 
-    def create_op_builder(self, class_name: str) -> None:
-        """zerotune ships no compiled ops: every builder is absent (DeepSpeed returns None too)."""
-        return None
+    def create_op_builder(self, class_name: str) -> Any:
+        """An instance of the builder named ``class_name``; None for a name DeepSpeed has no builder of."""
+        from zerotune.compat.op_builder import get_builder_class
 
-    def get_op_builder(self, class_name: str) -> None:
-        return None
+        builder = get_builder_class(class_name)
+        return builder() if builder is not None else None
+
+    def get_op_builder(self, class_name: str) -> Any:
+        from zerotune.compat.op_builder import get_builder_class
+
+        return get_builder_class(class_name)
 
     def build_extension(self) -> Any:
         from torch.utils.cpp_extension import BuildExtension

@@ -15,7 +15,7 @@ import torch
 
 from zerotune.optim.lamb import Lamb
 
-__all__ = ["FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "adam", "lamb"]
+__all__ = ["FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "adam", "lamb", "op_builder"]
 
 
 def _check_bias_correction(cls: str, bias_correction: bool) -> None:
@@ -63,3 +63,9 @@ class FusedLamb(Lamb):
 
 # ``deepspeed.ops.adam`` and ``deepspeed.ops.lamb`` are this module too.
 adam = lamb = sys.modules[__name__]
+
+# what DeepSpeed code reads before using an op (see op_builder.py for what "compatible" means here)
+from zerotune.compat import op_builder  # noqa: E402  (op_builder's load() imports this module back)
+
+__compatible_ops__ = op_builder.compatible_ops
+__installed_ops__ = op_builder.installed_ops

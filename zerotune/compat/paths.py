@@ -63,6 +63,8 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.utils": Mapped("zerotune.compat.utils", (
         "logger", "log_dist", "logging", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
         "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx")),
+    "deepspeed.utils.torch": Mapped("zerotune.compat.torch_version", (
+        "required_torch_version", "is_functorch_transforming", "register_grad_hook", "jit_script_compat")),
     "deepspeed.utils.logging": Mapped("zerotune.compat.ds_logging", (
         "logger", "log_dist", "print_json_dist", "warning_once", "LoggerFactory", "get_current_level",
         "should_log_le", "set_log_level_from_string", "get_log_level_from_string", "log_levels")),
@@ -97,7 +99,14 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
                                                                         _CHECKPOINTING),
     "deepspeed.checkpoint": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",)),
     "deepspeed.checkpoint.utils": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",)),
-    "deepspeed.ops": Mapped("zerotune.compat.ops", ("adam", "lamb")),
+    "deepspeed.ops": Mapped("zerotune.compat.ops", ("adam", "lamb", "op_builder", "__compatible_ops__",
+                                                    "__installed_ops__")),
+    "deepspeed.ops.op_builder": Mapped("zerotune.compat.op_builder", (
+        "OpBuilder", "ALL_OPS", "CPUAdamBuilder", "FusedAdamBuilder", "FusedLambBuilder", "AsyncIOBuilder",
+        "InferenceBuilder", "TransformerBuilder", "QuantizerBuilder", "SparseAttnBuilder", "PinMemoryBuilder")),
+    "deepspeed.ops.op_builder.all_ops": Mapped("zerotune.compat.op_builder", ("ALL_OPS",)),
+    "deepspeed.git_version_info": Mapped("zerotune.compat.git_version_info", (
+        "version", "git_hash", "git_branch", "installed_ops", "compatible_ops", "torch_info")),
     "deepspeed.ops.adam": Mapped("zerotune.compat.ops", _OPS_ADAM),
     "deepspeed.ops.lamb": Mapped("zerotune.compat.ops", ("FusedLamb",)),
     # the seed guide's spelling of the ZeRO optimizer wrapper (DeepSpeed's own lives in runtime.zero)

@@ -1,0 +1,108 @@
+"""``deepspeed.ops.op_builder`` and ``deepspeed.git_version_info``: which of DeepSpeed's compiled ops exist.
+
+DeepSpeed code asks a builder ``is_compatible()`` (or reads ``deepspeed.ops.__compatible_ops__[NAME]``)
+before using an op, and skips or falls back when it is not. zerotune compiles nothing, so the question
+it answers is whether the *capability* the op gives is here: CPU Adam / Adagrad, fused Adam / Lamb run
+on torch's kernels, async IO is zerotune's threaded swap-file IO, pinned memory is torch's. Those say
+yes; the kernels of features zerotune does not have (inference, quantizers, sparse attention, ...) say
+no. ``load()`` never builds: it returns zerotune's Python stand-in where the op is an optimizer class,
+and otherwise raises ``DeepSpeedFeatureNotSupported`` naming the op -- code that needs a kernel's
+functions (``create_adam``, ``aio_handle``) is testing DeepSpeed's extension, not the capability.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from zerotune.compat.paths import DeepSpeedFeatureNotSupported
+
+# op NAME -> the zerotune capability that stands for it (None: zerotune does not have it)
+_CAPABILITIES: dict[str, str | None] = {
+    "cpu_adam": "DeepSpeedCPUAdam (torch's Adam on the host)", "cpu_adagrad": "torch's Adagrad on the host",
+    "cpu_lion": None, "fused_adam": "FusedAdam (torch's fused Adam)", "fused_lamb": "FusedLamb (zerotune's Lamb)",
+    "fused_lion": None, "async_io": "zerotune's threaded swap-file IO (offload to nvme)", "gds": None,
+    "pin_memory": "torch's pinned host memory", "utils": "torch's flatten / unflatten",
+    "transformer": None, "stochastic_transformer": None, "transformer_inference": None, "inference_core_ops": None,
+    "cutlass_ops": None, "ragged_ops": None, "ragged_device_ops": None, "quantizer": None, "fp_quantizer": None,
+    "sparse_attn": None, "spatial_inference": None, "evoformer_attn": None, "random_ltd": None, "flash_attn": None,
+    "dc": None, "deepspeed_ccl_comm": None, "deepspeed_shm_comm": None, "pack_bits": None,
+    "deepspeed_not_implemented": None,
+}
+_CLASS_NAMES = {
+    "cpu_adam": "CPUAdamBuilder", "cpu_adagrad": "CPUAdagradBuilder", "cpu_lion": "CPULionBuilder",
+    "fused_adam": "FusedAdamBuilder", "fused_lamb": "FusedLambBuilder", "fused_lion": "FusedLionBuilder",
+    "async_io": "AsyncIOBuilder", "gds": "GDSBuilder", "pin_memory": "PinMemoryBuilder", "utils": "UtilsBuilder",
+    "transformer": "TransformerBuilder", "stochastic_transformer": "StochasticTransformerBuilder",
+    "transformer_inference": "InferenceBuilder", "inference_core_ops": "InferenceCoreBuilder",
+    "cutlass_ops": "InferenceCutlassBuilder", "ragged_ops": "RaggedOpsBuilder", "ragged_device_ops": "RaggedUtilsBuilder",
+    "quantizer": "QuantizerBuilder", "fp_quantizer": "FPQuantizerBuilder", "sparse_attn": "SparseAttnBuilder",
+    "spatial_inference": "SpatialInferenceBuilder", "evoformer_attn": "EvoformerAttnBuilder",
+    "random_ltd": "RandomLTDBuilder", "flash_attn": "FlashAttentionBuilder", "dc": "DeepCompileBuilder",
+    "deepspeed_ccl_comm": "CCLCommBuilder", "deepspeed_shm_comm": "ShareMemCommBuilder", "pack_bits": "PackbitsBuilder",
+    "deepspeed_not_implemented": "NotImplementedBuilder",
+}
+
+
+class OpBuilder:
+    """One DeepSpeed op; subclasses only set ``NAME``."""
+
+    NAME = "deepspeed_not_implemented"
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or self.NAME
+
+    def absolute_name(self) -> str:
+        return f"deepspeed.ops.{self.name}_op"
+
+    def is_compatible(self, verbose: bool = False) -> bool:
+        return _CAPABILITIES.get(self.name) is not None
+
+    def load(self, verbose: bool = True) -> Any:
+        capability = _CAPABILITIES.get(self.name)
+        if self.name in ("cpu_adam", "fused_adam", "fused_lamb"):
+            from zerotune.compat import ops
+            return ops
+        if capability is None:
+            raise DeepSpeedFeatureNotSupported(self.absolute_name(), f"the compiled op '{self.name}'")
+        raise DeepSpeedFeatureNotSupported(self.absolute_name(), f"the compiled op '{self.name}' itself (zerotune "
+                                                                  f"provides the capability through {capability})")
+
+    def jit_load(self, verbose: bool = True) -> Any:
+        return self.load(verbose)
+
+    def builder(self) -> None:
+        raise DeepSpeedFeatureNotSupported(self.absolute_name(), f"building the op '{self.name}' (zerotune compiles "
+                                                                  "no extensions)")
+
+
+BUILDERS: dict[str, type[OpBuilder]] = {
+    class_name: type(class_name, (OpBuilder,), {"NAME": name, "__doc__": f"DeepSpeed's '{name}' op."})
+    for name, class_name in _CLASS_NAMES.items()
+}
+globals().update(BUILDERS)
+ALL_OPS = {cls.NAME: cls() for cls in BUILDERS.values()}
+
+installed_ops = dict.fromkeys(ALL_OPS, False)  # nothing was compiled at install
+compatible_ops = {name: builder.is_compatible() for name, builder in ALL_OPS.items()}
+
+
+def _version(text: str | None) -> str:
+    return ".".join(text.split(".")[:2]) if text else "0.0"
+
+
+torch_info = {
+    "version": _version(torch.__version__.split("+")[0]),
+    "cuda_version": _version(torch.version.cuda),
+    "hip_version": _version(getattr(torch.version, "hip", None)),
+    "nccl_version": (".".join(map(str, torch.cuda.nccl.version()[:2])) if torch.cuda.is_available() else "0.0"),
+}
+
+
+def get_builder_class(class_name: str) -> type[OpBuilder] | None:
+    """The builder class named ``class_name`` (the accelerator's ``get_op_builder``), None if DeepSpeed has none."""
+    return BUILDERS.get(class_name)
+
+
+__all__ = ["OpBuilder", "ALL_OPS", "installed_ops", "compatible_ops", "torch_info", "get_builder_class", *BUILDERS]
