@@ -1,5 +1,7 @@
 """The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model, ``report`` a run,
-``generate`` / ``chat`` with its result, ``export`` a checkpoint, ``compare-methods`` of fine-tuning, ``plan`` a layout's memory."""
+``generate`` / ``chat`` with its result, ``export`` a checkpoint, ``compare-methods`` of fine-tuning,
+``plan`` a layout's memory, ``deepspeed-alias`` to make ``import deepspeed`` zerotune in every process
+of the environment."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import sys
 
 from zerotune.cli.check import add_check_parser
 from zerotune.cli.compare import add_compare_parser
+from zerotune.cli.deepspeed_alias import add_deepspeed_alias_parser
 from zerotune.cli.export import add_export_parser
 from zerotune.cli.finetune import add_finetune_parser
 from zerotune.cli.generate import add_generate_parsers
@@ -27,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_export_parser(subparsers)
     add_compare_parser(subparsers)
     add_plan_parser(subparsers)
+    add_deepspeed_alias_parser(subparsers)
     return parser
 
 

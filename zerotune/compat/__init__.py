@@ -1,7 +1,9 @@
 """DeepSpeed's public names, mapped onto zerotune (see ``paths.py`` for the table).
 
 ``zerotune.install_deepspeed_alias()`` makes ``import deepspeed`` resolve here; ``zerotune run
---as-deepspeed`` does it in every rank before the script starts. Nothing in zerotune's core
+--as-deepspeed`` does it in every rank before the script starts; ``zerotune deepspeed-alias install``
+writes a ``.pth`` hook (``alias_hook.py``, ``persistent.py``) that does it in every process of the
+environment at its first ``import deepspeed``. Nothing in zerotune's core
 imports this package: it only gives zerotune's own objects the names DeepSpeed code uses.
 """
 

@@ -14,6 +14,10 @@ Three pieces, installed together by ``install_deepspeed_alias()``:
 
 The finder goes first on ``sys.meta_path``, so an installed DeepSpeed is shadowed while the
 alias is on (that is the point: the script runs on zerotune).
+
+For every process of an environment (torchrun workers, Ray workers, subprocesses) ``zerotune
+deepspeed-alias install`` writes a ``.pth`` hook (``alias_hook.py``, see ``persistent.py``) that
+calls ``install_deepspeed_alias()`` at a process's first ``deepspeed`` import.
 """
 
 from __future__ import annotations
@@ -23,15 +27,14 @@ import importlib.abc
 import importlib.machinery
 import importlib.metadata
 import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any, Iterable
 
+from zerotune.compat.alias_hook import DEEPSPEED_VERSION, deepspeed_distributions
 from zerotune.compat.paths import DEEPSPEED_MODULES, REFUSED_MODULES, DeepSpeedFeatureNotSupported
 
-# The DeepSpeed release whose public API the compatibility package follows. transformers needs
-# >= 0.9.3, accelerate checks feature gates against it; the local part says what it really is.
-DEEPSPEED_VERSION = "0.18.0+zerotune"
+__all__ = ["DEEPSPEED_VERSION", "DeepSpeedAliasFinder", "deepspeed_alias_installed", "install_deepspeed_alias",
+           "install_zerotune_deepspeed_paths", "uninstall_deepspeed_alias"]
 
 
 class _AliasLoader(importlib.abc.Loader):
@@ -69,19 +72,6 @@ class _RefusingLoader(importlib.abc.Loader):
         raise DeepSpeedFeatureNotSupported(self._name, self._feature)
 
 
-class _DeepSpeedDistribution(importlib.metadata.Distribution):
-    """What ``importlib.metadata.version("deepspeed")`` finds while the alias is on."""
-
-    def read_text(self, filename: str) -> str | None:
-        if filename == "METADATA":
-            return (f"Metadata-Version: 2.1\nName: deepspeed\nVersion: {DEEPSPEED_VERSION}\n"
-                    "Summary: zerotune's DeepSpeed compatibility alias\nAuthor: zerotune\n")
-        return None
-
-    def locate_file(self, path: Any) -> Path:
-        return Path(__file__).parent / str(path)
-
-
 class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
     """Resolves ``deepspeed`` and ``deepspeed.*`` (see the module docstring)."""
 
@@ -100,10 +90,7 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
 
     def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()
                            ) -> Iterable[importlib.metadata.Distribution]:
-        name = getattr(context, "name", None)
-        if name is None or name.replace("_", "-").lower() == "deepspeed":
-            return iter([_DeepSpeedDistribution()])
-        return iter(())
+        return deepspeed_distributions(context)
 
 
 class ZerotuneDeepSpeedPathsFinder(importlib.abc.MetaPathFinder):
