@@ -10,7 +10,9 @@ Needs nothing prepared (random weights, no hub): world size 1 with NCCL, then
    stage 3, into a temporary directory), bf16 and fp16, each against single-process PyTorch (AdamW, the same
    batches) on a GPT-2 (124M) model: the largest relative difference of the losses over the steps (fp32 with
    TF32 off: held to 1e-5; bf16 / fp16 against the fp32 reference: 3e-2). Then 2 ranks on the one GPU: NCCL
-   where it allows two ranks on a device, else gloo over CUDA tensors -- what happened is reported;
+   where it allows two ranks on a device, else gloo over CUDA tensors -- what happened is reported. Then
+   ``engine.offload_states()`` at ZeRO 3: device memory drops by the model states, and after ``reload_states()``
+   the losses equal, bit for bit, a run that never offloaded;
 2. throughput -- full fine-tuning and LoRA of a Llama of ~1.1B parameters (2048 x 16 layers, random init,
    bf16, sequence 2048, activation checkpointing on and off) at ZeRO 0 and 3, and plain PyTorch (bf16 autocast,
    fp32 weights, fused AdamW) and FSDP2 (``fully_shard``, one rank) in the same run: tokens/s, model FLOPs
@@ -182,6 +184,42 @@ def parity(steps: int, device: torch.device) -> list[Row]:
     return rows
 
 
+def offload_states_check(device: torch.device, steps: int = 3) -> Row:
+    """ZeRO 3 in bf16 trains ``steps`` steps, moves every state to pinned host memory, reloads and trains on; the
+    same run without the move is the reference (dropout draws the same numbers: the seed is reset per run; attention
+    on the math kernel and deterministic algorithms, so that only the move could make the two runs differ)."""
+    import zerotune
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    batches, runs = _batches(2 * steps, 2, 256, 50304, device), {}
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for offload in (False, True):
+            engine, *_ = zerotune.initialize(model=_gpt2(), config=engine_config(3, "bf16"))
+            losses, figures = [], {}
+            for index, ids in enumerate(batches):
+                if offload and index == steps:
+                    states = sum(v for k, v in engine.memory_breakdown().items() if k != "comm_buffers")
+                    before = torch.cuda.memory_allocated(device)
+                    engine.offload_states()
+                    figures["GiB freed"] = (before - torch.cuda.memory_allocated(device)) / 2**30
+                    figures["GiB of states"] = states / 2**30
+                    engine.reload_states()
+                with sdpa_kernel(SDPBackend.MATH):
+                    loss = engine(input_ids=ids, labels=ids).loss
+                    engine.backward(loss)
+                engine.step()
+                losses.append(loss.float().item())
+            engine.destroy()
+            runs[offload] = (losses, figures)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    (reference, _), (ours, figures) = runs[False], runs[True]
+    passed = ours == reference and figures["GiB freed"] >= 0.9 * figures["GiB of states"]
+    return Row("parity", "ZeRO 3, bf16, offload_states + reload_states", "pass" if passed else "FAIL",
+               {**figures, "max rel. loss difference": relative_difference(ours, reference), "losses": ours})
+
+
 def _two_ranks_main(rank: int, port: int, backend: str, out: str) -> None:
     import torch.distributed as dist
 
@@ -338,7 +376,12 @@ def main(argv: list[str] | None = None) -> int:
     device = env.device
     name = torch.cuda.get_device_name(device)
     peak = peak_tflops_for(name, args.peak_tflops) * 1e12
-    rows = parity(args.parity_steps, device) + [two_ranks_on_one_gpu()] + throughput(args, device, peak)
+    rows = parity(args.parity_steps, device)
+    try:
+        rows.append(offload_states_check(device))
+    except Exception as error:  # noqa: BLE001 - reported, the other checks still run
+        rows.append(Row("parity", "offload_states", "ERROR", {"error": f"{type(error).__name__}: {error}"[:200]}))
+    rows += [two_ranks_on_one_gpu()] + throughput(args, device, peak)
     table = render(rows)
     header = (f"gpu_check on {name} (peak {peak / 1e12:.0f} TFLOP/s bf16), torch {torch.__version__}, "
               f"backend {env.backend}, {time.strftime('%Y-%m-%d')}, {time.time() - started:.0f} s")

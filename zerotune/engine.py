@@ -20,6 +20,7 @@ from zerotune.distributed import comm
 from zerotune.distributed.guard import GUARD
 from zerotune.engine_compile import EngineCompile
 from zerotune.engine_core import EngineCore, check_batch_not_empty, loss_from_output, map_tensors
+from zerotune.engine_offload_states import BACKWARD_NEEDS, FORWARD_NEEDS
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
 
 
@@ -45,6 +46,7 @@ class Engine(EngineCompile, EngineCore):
 
     # ---- one micro-step ------------------------------------------------------------------
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self._require_on_device("forward()", FORWARD_NEEDS)
         check_batch_not_empty((args, kwargs), self.global_steps + 1, self.micro_steps, self.global_rank)
         if self.policy.mixed:
             dtype = self.policy.param_dtype
@@ -72,6 +74,7 @@ class Engine(EngineCompile, EngineCore):
         accumulation steps when ``scale_wrt_gas`` (DeepSpeed's return value)."""
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"engine.backward expects a scalar loss tensor, got {type(loss).__name__}")
+        self._require_on_device("backward()", BACKWARD_NEEDS)
         detached = loss.detach().float()
         if not scale_wrt_gas:  # the caller already divided (HF Trainer): the window mean needs the whole loss
             detached = detached * self.gradient_accumulation_steps()
@@ -90,6 +93,7 @@ class Engine(EngineCompile, EngineCore):
         if self._inside_no_sync:
             raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync block first (the "
                                "gradients accumulated there are reduced by the next backward outside it)")
+        self._require_on_device("step()")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self.optimizer is None:
             raise RuntimeError("engine.step() needs an optimizer: pass initialize(optimizer=...) or add an "

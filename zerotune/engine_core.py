@@ -28,6 +28,7 @@ from zerotune.distributed.compression import CompressionStats, TopKCompressor
 from zerotune.distributed.streams import phase
 from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
+from zerotune.engine_offload_states import FORWARD_NEEDS, StateOffloading
 from zerotune.engine_queries import EngineQueries
 from zerotune.monitor.logging import log_rank0
 from zerotune.monitor.step_report import StepReporter
@@ -75,7 +76,7 @@ def check_batch_not_empty(inputs: Any, step: int, micro_step: int, rank: int) ->
                          "(a shard with fewer samples than ranks, or a filter that dropped every row)")
 
 
-class EngineCore(EngineQueries, torch.nn.Module):
+class EngineCore(EngineQueries, StateOffloading, torch.nn.Module):
     """What every engine has: the step, the counters, checkpoints and reports (see the module docstring)."""
 
     def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,
@@ -115,6 +116,8 @@ class EngineCore(EngineQueries, torch.nn.Module):
         self._data_iterator: Iterator | None = None
         self._epoch = 0
         self._post_step_hooks: list[Callable[["EngineCore"], None]] = []
+        self._offloaded: dict = {}  # offload_states: kind -> its move (engine_offload_states.py)
+        self._pinned_host: dict = {}  # kind -> page-locked host buffers kept for the next offload_states
 
     def register_post_step_hook(self, hook: Callable[["EngineCore"], None]) -> Callable[[], None]:
         """Call ``hook(engine)`` after every optimizer step; returns a function that removes it."""
@@ -138,6 +141,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
         self.tput_timer.batch_size = train_batch_size
 
     def _take_model_step(self, lr_kwargs: dict) -> None:
+        self._require_on_device("step()")
         with phase("step"):  # a profiler range over the whole optimizer step
             self._model_step(lr_kwargs)
 
@@ -268,6 +272,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """``save_dir`` defaults to ``checkpoint.save_dir``. ``exclude_frozen_parameters`` (LoRA / prefix tuning):
         save the trainable weights and a fingerprint of the frozen base instead of the base; loading checks it."""
+        self._require_on_device("save_checkpoint()")
         comm.guard_point("save_checkpoint", self.global_steps, self.micro_steps)
         save_engine_checkpoint(self, self._checkpoint_dir(save_dir, "save_checkpoint"), tag, client_state or {},
                                save_latest, exclude_frozen_parameters)
@@ -278,6 +283,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
         """``load_dir`` defaults to ``checkpoint.save_dir``; any saved layout loads at this one."""
         load_dir = self._checkpoint_dir(load_dir, "load_checkpoint")
+        self._require_on_device("load_checkpoint()")
         comm.guard_point("load_checkpoint", self.global_steps, self.micro_steps)
         return load_engine_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
                                       load_optimizer_states=load_optimizer_states,
@@ -288,6 +294,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
         """Load the newest complete, verified checkpoint in ``save_dir`` (default ``checkpoint.save_dir``),
         falling back to older ones; ``(None, None)`` when there is none (``checkpoint.auto_resume``)."""
         save_dir = self._checkpoint_dir(save_dir, "resume_newest_checkpoint")
+        self._require_on_device("resume_newest_checkpoint()")
         comm.guard_point("resume_newest_checkpoint", self.global_steps, self.micro_steps)
         return load_newest_checkpoint(self, save_dir)
 
@@ -298,6 +305,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
         At stage 3 the units are gathered one at a time; a ``.safetensors`` file name streams them
         to disk, so rank 0 never holds more than the largest unit (other names are ``torch.save``d).
         """
+        self._require_on_device("save_16bit_model()", FORWARD_NEEDS)
         comm.guard_point("save_16bit_model", self.global_steps, self.micro_steps)
         units = self.state.units  # stage 3's partitioned units (empty below)
         if units and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
@@ -312,6 +320,7 @@ class EngineCore(EngineQueries, torch.nn.Module):
 
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The whole state dict on rank 0 (empty on the others); every rank must call it."""
+        self._require_on_device("_zero3_consolidated_16bit_state_dict()", FORWARD_NEEDS)
         items = iter_consolidated(self.module, self.state.units,
                                   exclude_frozen=exclude_frozen_parameters, tp_group=self.mesh.group("tp"))
         gathered = {key: tensor.clone().cpu() for key, tensor in items}

@@ -118,6 +118,11 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "DeepSpeedZeroOptimizer_Stage3", "estimate_zero3_model_states_mem_needs",
         "estimate_zero3_model_states_mem_needs_all_live", "estimate_zero3_model_states_mem_needs_all_cold",
         "model_to_params")),
+    # engine.offload_states(include=[OffloadStateTypeEnum...], device=OffloadDeviceEnum.cpu) and its helpers
+    "deepspeed.runtime.zero.offload_config": Mapped("zerotune.compat.offload_states", (
+        "OffloadDeviceEnum", "OffloadStateTypeEnum", "DeepSpeedZeroOffloadParamConfig",
+        "DeepSpeedZeroOffloadOptimizerConfig")),
+    "deepspeed.runtime.zero.offload_states": Mapped("zerotune.compat.offload_states", ("get_state_devices",)),
 }
 
 REFUSED_MODULES: dict[str, str] = {

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm
 from zerotune.engine_core import EngineCore, check_batch_not_empty, map_tensors
+from zerotune.engine_offload_states import FORWARD_NEEDS
 from zerotune.parallel.tensor.state_dict import iter_full_tensors
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.p2p import ACTIVATION_TAG, GRADIENT_TAG, as_tuple, recv_tensors, send_tensors
@@ -112,6 +113,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
     # ---- one batch -------------------------------------------------------------------------
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over GAS micro-batches; the mean loss on every rank."""
+        self._require_on_device("train_batch()")
         comm.guard_point("train_batch", self.global_steps, self.micro_steps)
         self.pipe.train()
         micro_batches = self.gradient_accumulation_steps()
@@ -164,6 +166,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         """Forward-only over GAS micro-batches (or ``num_micro_batches``): the mean loss on every rank."""
         if return_logits or not compute_loss or reduce_output != "avg":
             raise NotImplementedError("eval_batch supports compute_loss=True, reduce_output='avg' and no logits")
+        self._require_on_device("eval_batch()", FORWARD_NEEDS)
         comm.guard_point("eval_batch", self.global_steps, self.micro_steps)
         was_training = self.pipe.training
         self.pipe.eval()

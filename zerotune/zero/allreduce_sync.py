@@ -105,6 +105,12 @@ class AllReduceGradSync:
         self._handles = []
         self._communicating = False
 
+    def wait_in_flight(self) -> None:
+        """Wait for the all-reduces launched so far (they write into the buckets) without ending the round:
+        ``finish`` still launches the rest and rescales (``engine.offload_states`` between backward and step)."""
+        for handle, _, _ in self._handles:
+            handle.wait()
+
     def use_local_gradients(self, enabled: bool) -> None:
         """An optimizer that averages something else (OneBitAdam's momentum, after its warm-up) takes each
         rank's own gradient: from now on the boundary all-reduce is skipped."""

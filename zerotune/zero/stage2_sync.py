@@ -189,6 +189,14 @@ class BucketedReduceGradSync:
         if lo < hi:
             self.grad_shards[g][lo - start:hi - start] = full[lo - offset:hi - offset]
 
+    def release_scratch(self) -> int:
+        """Free the recycled bucket storages kept between rounds (allocated again when a backward needs them);
+        returns their bytes. Call between rounds (``engine.offload_states``' contiguous_grad_buffer)."""
+        self._returning.poll()
+        freed = sum(t.numel() * t.element_size() for t in self._free_buffers)
+        self._free_buffers.clear()
+        return freed
+
     def zero_grad(self) -> None:
         for shard in self.grad_shards:
             shard.zero_()

@@ -61,6 +61,13 @@ class BufferPool:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in [*self._free, *self._returning.waiting()])
 
+    def clear(self) -> int:
+        """Free the buffers kept for reuse (taken anew when needed); returns their bytes (``engine.offload_states``)."""
+        self._returning.poll()
+        freed = sum(t.numel() * t.element_size() for t in self._free)
+        self._free.clear()
+        return freed
+
 
 class ParamUnit:
     """The segments of one unit and the gather / release / gradient-reduce steps on them."""
