@@ -93,6 +93,11 @@ class EngineCore(EngineQueries, StateOffloading, torch.nn.Module):
         self.policy = policy
         self.state = state
         self.optimizer = optimizer
+        if state.units and optimizer is not None:  # stage 3: DeepSpeed's engine.optimizer.parameter_offload, through
+            # which TRL drops and re-adds the module hooks around generation (zerotune/compat/parameter_offload.py)
+            from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
+
+            optimizer.parameter_offload = DeepSpeedZeRoOffload(module, state.grad_sync)
         self.client_optimizer = client_optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler

@@ -4,7 +4,8 @@
 --as-deepspeed`` does it in every rank before the script starts; ``zerotune deepspeed-alias install``
 writes a ``.pth`` hook (``alias_hook.py``, ``persistent.py``) that does it in every process of the
 environment at its first ``import deepspeed``. Nothing in zerotune's core
-imports this package: it only gives zerotune's own objects the names DeepSpeed code uses.
+imports this package (one exception: a stage-3 engine hangs ``parameter_offload.DeepSpeedZeRoOffload`` on
+its optimizer, where TRL looks for it): it only gives zerotune's own objects the names DeepSpeed code uses.
 """
 
 from zerotune.compat.alias import (

@@ -41,7 +41,8 @@ _COMM = ("init_distributed", "is_initialized", "is_available", "get_rank", "get_
 _ACCELERATOR = ("get_accelerator", "set_accelerator", "is_current_accelerator_supported")
 _PIPE = ("PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology", "PipeDataParallelTopology",
          "PipeModelDataParallelTopology")
-_ZERO = ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter")
+_ZERO = ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
+         "ZeroParamStatus")
 _CHECKPOINTING = ("checkpoint", "configure", "is_configured", "reset", "non_reentrant_checkpoint",
                   "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "CudaRNGStatesTracker")
 _LR_SCHEDULES = ("VALID_LR_SCHEDULES", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARMUP_DECAY_LR",
@@ -83,10 +84,11 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (
         "is_compile_supported", "disable", "enable", "is_compiling", "compiled_autograd")),
     "deepspeed.runtime.lr_schedules": Mapped("zerotune.compat.lr_schedules", _LR_SCHEDULES),
-    "deepspeed.runtime.zero": Mapped("zerotune.compat.zero", _ZERO),
+    "deepspeed.runtime.zero": Mapped("zerotune.compat.zero", (*_ZERO, "DeepSpeedZeRoOffload")),
     "deepspeed.runtime.zero.partition_parameters": Mapped("zerotune.compat.zero", (
         *_ZERO, "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator")),
-    "deepspeed.zero": Mapped("zerotune.compat.zero", _ZERO),
+    "deepspeed.runtime.zero.parameter_offload": Mapped("zerotune.compat.parameter_offload", ("DeepSpeedZeRoOffload",)),
+    "deepspeed.zero": Mapped("zerotune.compat.zero", (*_ZERO, "DeepSpeedZeRoOffload")),
     "deepspeed.pipe": Mapped("zerotune.compat.pipe", _PIPE),
     "deepspeed.runtime.pipe": Mapped("zerotune.compat.pipe", _PIPE),
     "deepspeed.runtime.pipe.module": Mapped("zerotune.compat.pipe", ("PipelineModule", "LayerSpec", "TiedLayerSpec")),

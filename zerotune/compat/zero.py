@@ -1,12 +1,15 @@
 """``deepspeed.zero`` / ``deepspeed.runtime.zero.partition_parameters``: zerotune's ZeRO-3 contexts
-plus ``register_external_parameter``."""
+plus ``register_external_parameter``, and ``ZeroParamStatus``, the type of a partitioned parameter's
+``ds_status`` (``zero/stage3/ds_markers.py`` lists the ``ds_*`` attributes and what each holds)."""
 
 from __future__ import annotations
 
 import torch
 
 from zerotune.compat.accelerator import get_accelerator
+from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
 from zerotune.zero import GatheredParameters, Init, WeightLoadingError, load_partitioned_weights
+from zerotune.zero.stage3.ds_markers import ZeroParamStatus
 from zerotune.zero.stage3.wrap import EXTERNAL_PARAMS
 
 # transformers' ZeRO-3 loading swaps these two in and out around ``zero.Init`` (it patches DeepSpeed's
@@ -25,7 +28,8 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype):  #
     return wrapped
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
-           "load_partitioned_weights", "WeightLoadingError", "get_accelerator", "zero_wrapper_for_fp_tensor_constructor"]
+           "ZeroParamStatus", "DeepSpeedZeRoOffload", "load_partitioned_weights", "WeightLoadingError",
+           "get_accelerator", "zero_wrapper_for_fp_tensor_constructor"]
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:

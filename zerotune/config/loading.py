@@ -52,7 +52,7 @@ def load_config(source: Any) -> ZeroTuneConfig:
 def config_from_dict(raw: dict[str, Any]) -> ZeroTuneConfig:
     """Passes 2-4 on an already-read dict; provenance marks given keys "file"."""
     notes: list[tuple[str, str]] = []
-    normalized = normalize_keys(expand_dotted_keys(raw), ZeroTuneConfig, "", notes)
+    normalized = normalize_keys(expand_dotted_keys(raw, notes), ZeroTuneConfig, "", notes)
     try:
         cfg = ZeroTuneConfig.model_validate(normalized)
     except ValidationError as exc:
@@ -66,13 +66,15 @@ def config_from_dict(raw: dict[str, Any]) -> ZeroTuneConfig:
     return cfg
 
 
-def expand_dotted_keys(raw: dict[str, Any]) -> dict[str, Any]:
+def expand_dotted_keys(raw: dict[str, Any], notes: list[tuple[str, str]] | None = None) -> dict[str, Any]:
     """Move DeepSpeed's dotted top-level keys into their sections: ``{"zero_optimization.stage": 3}`` is
     ``{"zero_optimization": {"stage": 3}}``.
 
     DeepSpeed clients write them (TRL's reference-model setup adds ``zero_optimization.reduce_bucket_size``
     and friends beside the block); the leaf is then checked like any other key, so an unknown one is
-    refused under its full path. A dotted key that disagrees with the same key in its block is an error.
+    refused under its full path. A dotted key that disagrees with the same key in its block gives way to
+    the block, with a note in ``notes``: DeepSpeed reads only the block, and TRL writes its tuning values
+    (``0.9 * hidden_size**2``) beside blocks that accelerate already filled (``int(0.9 * hidden_size**2)``).
     """
     dotted = [k for k in raw if isinstance(k, str) and "." in k and not k.startswith("_")]
     if not dotted:
@@ -93,8 +95,10 @@ def expand_dotted_keys(raw: dict[str, Any]) -> dict[str, Any]:
             node = child
         leaf = parts[-1]
         if leaf in node and node[leaf] != raw[key]:
-            raise ConfigError(_printable(key), f"given twice with different values: {show_value(raw[key])} here "
-                                               f"and {show_value(node[leaf])} in the '{parts[0]}' block; keep one")
+            if notes is not None:
+                notes.append((_printable(key), f"given twice: {show_value(node[leaf])} in the '{parts[0]}' block is "
+                                               f"used, not {show_value(raw[key])} beside it (as DeepSpeed does)"))
+            continue
         node[leaf] = raw[key]
     return expanded
 

@@ -33,6 +33,15 @@ def _integer(value: Any) -> Any:
     raise ValueError(f"expected an integer, got {type(value).__name__}")
 
 
+def _element_budget(value: Any) -> Any:
+    """An element count used as a budget: an integer, or a fraction rounded down. TRL's reference-model setup
+    writes ``stage3_prefetch_bucket_size = 0.9 * hidden_size**2`` (a fraction unless hidden_size is a
+    multiple of 10); a budget one element smaller changes nothing."""
+    if isinstance(value, float) and math.isfinite(value) and not value.is_integer():
+        return math.floor(value)
+    return _integer(value)
+
+
 def _number(value: Any) -> Any:
     """Accept ints and floats as floats; reject bools and numeric-looking strings."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -45,6 +54,7 @@ def _number(value: Any) -> Any:
 Int = Annotated[int, BeforeValidator(_integer)]
 NonNegInt = Annotated[int, BeforeValidator(_integer), Field(ge=0)]
 PosInt = Annotated[int, BeforeValidator(_integer), Field(ge=1)]
+NonNegBudget = Annotated[int, BeforeValidator(_element_budget), Field(ge=0)]
 Float = Annotated[float, BeforeValidator(_number)]
 NonNegFloat = Annotated[float, BeforeValidator(_number), Field(ge=0)]
 PosFloat = Annotated[float, BeforeValidator(_number), Field(gt=0)]
@@ -55,6 +65,7 @@ Stage = Annotated[int, BeforeValidator(_integer), Field(ge=0, le=3)]
 AutoInt = Union[Int, Auto]
 AutoStage = Union[Stage, Auto]
 AutoNonNegInt = Union[NonNegInt, Auto]
+AutoNonNegBudget = Union[NonNegBudget, Auto]
 AutoPosInt = Union[PosInt, Auto]
 AutoNonNegFloat = Union[NonNegFloat, Auto]
 AutoPosFloat = Union[PosFloat, Auto]

@@ -17,6 +17,7 @@ from .types import (
     AutoBool,
     AutoFraction,
     AutoInt,
+    AutoNonNegBudget,
     AutoNonNegInt,
     AutoPosInt,
     AutoStage,
@@ -158,8 +159,8 @@ class ZeroConfig(Section):
     """Optimizer state offload (stages 1-3)."""
     sub_group_size: AutoNonNegInt = int(1e9)
     """Elements per optimizer sub-group stepped at once (limits offload memory)."""
-    stage3_prefetch_bucket_size: AutoNonNegInt = int(5e7)
-    """Parameter elements fetched ahead of use in stage 3."""
+    stage3_prefetch_bucket_size: AutoNonNegBudget = int(5e7)
+    """Parameter elements fetched ahead of use in stage 3 (a fraction, as TRL computes it, is rounded down)."""
     stage3_param_persistence_threshold: AutoNonNegInt = int(1e5)
     """Parameters smaller than this many elements stay unpartitioned in stage 3."""
     stage3_model_persistence_threshold: AutoNonNegInt = sys.maxsize

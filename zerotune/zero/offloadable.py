@@ -77,8 +77,10 @@ def _masters(state: Any) -> list[torch.Tensor]:
 
 
 def _low_precision_params(state: Any, module: torch.nn.Module) -> list[torch.Tensor]:
-    if isinstance(state, Stage3State):  # the parameters hold 1-element placeholders; the values are the shards
-        return [segment.local for unit in state.units for segment in unit.segments]
+    if isinstance(state, Stage3State):  # the parameters hold 1-element placeholders; the values are the shards,
+        # which each parameter's ds_tensor (its piece) views too
+        return [t for unit in state.units for segment in unit.segments
+                for t in (segment.local, *(sharded.piece for sharded in segment.sharded))]
     params = list(module.parameters())
     if isinstance(state, ShardedState):
         return params + [fg.buffer for fg in state.flat_groups]

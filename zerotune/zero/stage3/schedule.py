@@ -101,11 +101,30 @@ class UnitScheduler:
         self._hooks = [self.units[0].module.register_state_dict_post_hook(
             lambda *hook_args: self._refuse_placeholders(*hook_args))] if self.units else []
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(
-                lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True))
-            self._hooks.append(unit.module.register_forward_hook(lambda m, a, o, u=unit: self._post_forward(u, o)))
             if unit.trainable:
                 self._hooks += register_grad_ready_hooks(unit.trainable.params, self._on_grad)
+        self.forward_hooks: list[Any] = []
+        """The units' forward pre/post hooks (they also attach each forward's backward hooks)."""
+        self.attach_forward_hooks()
+
+    def attach_forward_hooks(self) -> None:
+        """(Re-)register every unit's forward hooks; those registered before are removed first, so a unit
+        never has two sets whoever removed or forgot the old handles."""
+        self.detach_forward_hooks()
+        for unit in self.units:
+            self.forward_hooks.append(unit.module.register_forward_pre_hook(
+                lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True))
+            self.forward_hooks.append(unit.module.register_forward_hook(
+                lambda m, a, o, u=unit: self._post_forward(u, o)))
+
+    def detach_forward_hooks(self) -> None:
+        """Remove the units' forward hooks: a forward then gathers and releases nothing and records nothing for
+        backward -- it computes with whatever the parameters show (gather them first: ``GatheredParameters``).
+        TRL does this around generation (DeepSpeed's ``parameter_offload``, compat/parameter_offload.py); the
+        schedule's cursors restart at the root's next forward, so training resumes once they are attached."""
+        for handle in self.forward_hooks:
+            handle.remove()
+        self.forward_hooks = []
 
     def _refuse_placeholders(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
         """``state_dict()`` of a partitioned model would silently hold placeholders instead of weights."""
@@ -133,6 +152,7 @@ class UnitScheduler:
             unit.start_gather()
             self._prefetch(self.units, index + 1, live=sum(u.numel for u in self.units if u.live))
             unit.finish_gather()
+        unit.mark_in_use(True)
         if torch.is_grad_enabled() and unit.segments and not _in_backward():  # (not in a checkpoint's recompute)
             args, kwargs = self._watch_inputs(unit, args, kwargs)
         return args, kwargs
@@ -156,6 +176,7 @@ class UnitScheduler:
         return tuple(flat[:len(args)]), dict(zip(kwargs.keys(), flat[len(args):]))
 
     def _post_forward(self, unit: ParamUnit, output: Any) -> None:
+        unit.mark_in_use(False)
         outputs = [t for t in _tensors_in(output) if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grad, u=unit: self._pre_backward(u), mode="any")
@@ -321,6 +342,7 @@ class UnitScheduler:
         return gathered + pooled + sum(u.gradient_bytes_in_flight() for u in self.units)
 
     def remove_hooks(self) -> None:
+        self.detach_forward_hooks()
         for hook in self._hooks:
             hook.remove()
         self._hooks = []

@@ -29,14 +29,16 @@ class FlatSegment:
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None,
                  device: torch.device | None = None, local_device: torch.device | None = None,
-                 pin_memory: bool = False) -> None:
+                 pin_memory: bool = False, persistent: bool = False) -> None:
         """Copy the parameters' current (full) values in; afterwards they are SHARDED.
 
         The segment keeps the parameters' dtype; ``cast_`` changes it (after fp32 masters were taken).
         ``local_device``: where the shard lives between uses (``offload_param: {device: cpu}``: the
         host, page-locked if ``pin_memory``); it is copied to the gather device for each gather.
+        ``persistent``: the owner keeps it gathered between uses (recorded on the parameters as ``ds_persist``).
         """
         self.params = list(params)
+        self.persistent = persistent
         self.group = group
         self.rank = 0 if group is None else dist.get_rank(group)
         world = 1 if group is None else dist.get_world_size(group)
@@ -88,7 +90,9 @@ class FlatSegment:
 
     @property
     def state(self) -> ParamState:
-        return ParamState.UNSHARDED if self.gathered else ParamState.SHARDED
+        if self.gathered:
+            return ParamState.UNSHARDED
+        return ParamState.GATHERING if self._pending is not None else ParamState.SHARDED
 
     @property
     def numel(self) -> int:
@@ -113,6 +117,11 @@ class FlatSegment:
         return self._swap is not None
 
     @property
+    def resident(self) -> bool:
+        """Whether the shard is in memory (always, unless it lives in a swap file)."""
+        return self._local_resident
+
+    @property
     def can_swap_in(self) -> bool:
         """Whether the shard is in memory or a swap buffer is free for it (prefetch asks before gathering)."""
         return self._local_resident or self._swap[2] is None or self._swap[2].free_count > 0
@@ -132,6 +141,7 @@ class FlatSegment:
                 self.local.set_(self._buffer)
             store.read(name, self.local).wait()
             self._local_resident = True
+            self._point_pieces()
         return self.local
 
     def store_local(self) -> None:
@@ -160,6 +170,12 @@ class FlatSegment:
                 pool.release(self._buffer)
                 self._buffer = None
         self._local_resident = False
+        self._point_pieces()
+
+    def _point_pieces(self) -> None:
+        """The shard's storage changed (swapped in or out): re-point the parameters' pieces (``ds_tensor``)."""
+        for sharded in self.sharded:
+            sharded.point_piece()
 
     def overwrite_local(self, values: torch.Tensor, notify: bool = True) -> None:
         """Replace this rank's shard (checkpoint load, masters rounded in, a modified parameter)."""
@@ -201,6 +217,8 @@ class FlatSegment:
             if source is not self.local and self._pin:  # the host must not rewrite the shard while it is read
                 self._copied_out = streams_for(self.full.device).mark("gather")
             self._pending = comm.all_gather_into_tensor(self.full, source, self.group, async_op=True)
+        for sharded in self.sharded:
+            sharded.to_gathering()
 
     def finish_gather(self) -> None:
         """Wait for the gather (starting it if needed) and show the full values in the parameters."""

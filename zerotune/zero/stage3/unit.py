@@ -84,8 +84,9 @@ class ParamUnit:
         """Small units stay gathered between uses (re-gathered once per optimizer step)."""
         self.is_root = is_root
         """The root unit stays gathered from its forward to the end of backward (used first and last)."""
-        self.trainable = FlatSegment(trainable, group, local_device=shard_device, pin_memory=pin_memory) if trainable else None
-        self.frozen = FlatSegment(frozen, group, local_device=shard_device, pin_memory=pin_memory) if frozen else None
+        kept = {"local_device": shard_device, "pin_memory": pin_memory, "persistent": persistent}
+        self.trainable = FlatSegment(trainable, group, **kept) if trainable else None
+        self.frozen = FlatSegment(frozen, group, **kept) if frozen else None
         self.segments = [s for s in (self.trainable, self.frozen) if s is not None]
         self.grad_shard: torch.Tensor | None = None
         self.buffers = buffers or BufferPool(capacity_numel=0)
@@ -137,6 +138,12 @@ class ParamUnit:
     def release(self) -> None:
         for segment in self.segments:
             segment.release()
+
+    def mark_in_use(self, running: bool) -> None:
+        """Record on the parameters (``ShardedParam.users``) that the unit's forward started or ended."""
+        for segment in self.segments:
+            for sharded in segment.sharded:
+                (sharded.users.add if running else sharded.users.discard)(id(self.module))
 
     # ---- gradients -----------------------------------------------------------------------
     @torch.no_grad()
