@@ -16,9 +16,21 @@ from zerotune.optim.schedulers import (
 LR_RANGE_TEST, ONE_CYCLE, WARMUP_LR = "LRRangeTest", "OneCycle", "WarmupLR"
 WARMUP_DECAY_LR, WARMUP_COSINE_LR = "WarmupDecayLR", "WarmupCosineLR"
 VALID_LR_SCHEDULES = list(SCHEDULER_NAMES)
+LR_SCHEDULE = "lr_schedule"
+
+# The schedules' parameter names: each constant is the key it names (``params[WARMUP_NUM_STEPS]``).
+_PARAMETER_NAMES = (
+    "lr_range_test_min_lr", "lr_range_test_step_rate", "lr_range_test_step_size", "lr_range_test_staircase",
+    "edge_value", "mid_value", "cycle_first_step_size", "cycle_first_stair_count", "cycle_second_step_size",
+    "cycle_second_stair_count", "decay_step_size", "cycle_min_lr", "cycle_max_lr", "decay_lr_rate", "cycle_min_mom",
+    "cycle_max_mom", "decay_mom_rate", "warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type",
+    "warmup_min_ratio", "cos_min_ratio", "total_num_steps")
+globals().update({name.upper(): name for name in _PARAMETER_NAMES})
+WARMUP_LOG_RATE, WARMUP_LINEAR_RATE = "log", "linear"
 
 __all__ = ["VALID_LR_SCHEDULES", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARMUP_DECAY_LR", "WARMUP_COSINE_LR",
-           "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "add_tuning_arguments"]
+           "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "add_tuning_arguments",
+           "LR_SCHEDULE", "WARMUP_LOG_RATE", "WARMUP_LINEAR_RATE", *(name.upper() for name in _PARAMETER_NAMES)]
 
 
 def add_tuning_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

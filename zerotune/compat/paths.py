@@ -95,6 +95,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.pipe.topology": Mapped("zerotune.compat.pipe", (
         "ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology")),
     "deepspeed.runtime.pipe.engine": Mapped("zerotune.compat.pipe", ("PipelineEngine",)),
+    # MoE is importable (DeepSpeed code imports it at module level) and refused when built: refusals.py
+    "deepspeed.moe": Mapped("zerotune.compat.moe", ()),
+    "deepspeed.moe.layer": Mapped("zerotune.compat.moe", ("MoE",)),
     "deepspeed.checkpointing": Mapped("zerotune.compat.checkpointing", _CHECKPOINTING),
     "deepspeed.runtime.activation_checkpointing": Mapped("zerotune.compat.checkpointing", _CHECKPOINTING),
     "deepspeed.runtime.activation_checkpointing.checkpointing": Mapped("zerotune.compat.checkpointing",
@@ -113,6 +116,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.ops.lamb": Mapped("zerotune.compat.ops", ("FusedLamb",)),
     # the seed guide's spelling of the ZeRO optimizer wrapper (DeepSpeed's own lives in runtime.zero)
     "deepspeed.pt": Mapped("zerotune.compat.pt", ("DeepSpeedZeROOptimizer",)),
+    "deepspeed.runtime.zero.config": Mapped("zerotune.compat.zero_config", (
+        "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
+        "ZeroStageEnum")),
     "deepspeed.runtime.zero.stage_1_and_2": Mapped("zerotune.compat.stage_1_and_2", (
         "DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_live",
         "estimate_zero2_model_states_mem_needs_all_cold", "model_to_params")),
@@ -131,8 +137,9 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.compile": "DeepCompile's graph passes (deepspeed.compile; engine.compile() runs torch.compile)",
     "deepspeed.inference": "inference (init_inference, kernel injection)",
     "deepspeed.module_inject": "inference kernel injection",
-    "deepspeed.moe": "Mixture-of-Experts layers (deepspeed.moe)",
-    "deepspeed.moe.layer": "Mixture-of-Experts layers (deepspeed.moe)",
+    "deepspeed.moe.utils": "Mixture-of-Experts layers (deepspeed.moe)",
+    "deepspeed.moe.experts": "Mixture-of-Experts layers (deepspeed.moe)",
+    "deepspeed.moe.sharded_moe": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.ops.sparse_attention": "sparse attention (deepspeed.ops.sparse_attention)",
     "deepspeed.ops.transformer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.compression": "the compression library (deepspeed.compression)",
@@ -141,6 +148,7 @@ REFUSED_MODULES: dict[str, str] = {
 
 # Names refused when *called* (they live in modules that are otherwise supported).
 REFUSED_NAMES: dict[str, str] = {
+    "deepspeed.moe.layer.MoE": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.init_inference": "inference (init_inference, kernel injection)",
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",
