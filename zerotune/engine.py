@@ -48,6 +48,7 @@ class Engine(EngineCompile, EngineCore):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_on_device("forward()", FORWARD_NEEDS)
         check_batch_not_empty((args, kwargs), self.global_steps + 1, self.micro_steps, self.global_rank)
+        args, kwargs = self._curriculum_inputs(args, kwargs)  # curriculum_learning (engine_curriculum.py)
         if self.policy.mixed:
             dtype = self.policy.param_dtype
 

@@ -29,6 +29,7 @@ from zerotune.distributed.streams import phase
 from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
 from zerotune.engine_offload_states import FORWARD_NEEDS, StateOffloading
+from zerotune.engine_curriculum import EngineCurriculum
 from zerotune.engine_queries import EngineQueries
 from zerotune.monitor.logging import log_rank0
 from zerotune.monitor.step_report import StepReporter
@@ -76,7 +77,7 @@ def check_batch_not_empty(inputs: Any, step: int, micro_step: int, rank: int) ->
                          "(a shard with fewer samples than ranks, or a filter that dropped every row)")
 
 
-class EngineCore(EngineQueries, StateOffloading, torch.nn.Module):
+class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Module):
     """What every engine has: the step, the counters, checkpoints and reports (see the module docstring)."""
 
     def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,

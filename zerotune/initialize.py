@@ -21,7 +21,9 @@ from zerotune.distributed.env import DEFAULT_PORT, init_distributed
 from zerotune.distributed.guard import GUARD
 from zerotune.distributed.mesh import AXES, DERIVED_AXES, ProcessMesh, build_mesh
 from zerotune.distributed.watchdog import WATCHDOG
+from zerotune.curriculum.data_sampling import DataCurriculum
 from zerotune.engine import Engine
+from zerotune.engine_curriculum import curriculum_notes
 from zerotune.engine_data import build_dataloader
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.activation_checkpointing import checkpoint_blocks_at_initialize
@@ -225,6 +227,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     policy = policy_from_flags(fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled)
 
     pipelined = isinstance(model, PipelineModule) or mesh.size("pp") > 1
+    for note in curriculum_notes(cfg, pipelined=pipelined, has_training_data=training_data is not None):
+        log_rank0("%s", note, rank=env.rank, level=logging.WARNING)
     if cfg.compile.enabled and (pipelined or cfg.zero_optimization.stage == 3):
         raise NotSupportedYetError("compile.enabled", "torch.compile of a pipeline's stages or of a ZeRO stage-3 model "
                                                       "is not supported yet (engine.compile says why); compile at "
@@ -279,7 +283,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                     optimizer=torch_optimizer, lr_scheduler=scheduler,
                     loss_scaler=_loss_scaler(cfg), param_names={id(p): n for n, p in model.named_parameters()},
                     training_dataloader=build_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu,
-                                                          collate_fn, cfg.dataloader_drop_last),
+                                                          collate_fn, cfg.dataloader_drop_last, DataCurriculum.from_config(
+                                                              cfg.data_efficiency, cfg.gradient_accumulation_steps,
+                                                              env.rank)),
                     compressor=compressor,
                     client_optimizer=optimizer if isinstance(optimizer, torch.optim.Optimizer) else None)
     if cfg.compile.enabled:

@@ -117,6 +117,7 @@ def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, clien
             "optimizer_groups": _group_hyperparameters(engine), "layout": _layout(engine),
             "model_description": model_description(engine.module),
             "trainable_names": [n for n, p in engine.module.named_parameters() if p.requires_grad],
+            "curriculum": engine.curriculum_state(),
         }, staging / model_file(engine)))
     # stage 0: masters and optimizer state are replicated (the first replica saves them); stages 1-3: every
     # rank saves its own slice; stage 3 also its weight shards
@@ -214,6 +215,7 @@ def load_engine_checkpoint(engine: Engine, load_dir: str, tag: str | None, *, lo
                                  path)
     for counter in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
         setattr(engine, counter, saved[counter])
+    engine.load_curriculum_state(saved.get("curriculum"))
     rng_path = directory / rng_file(engine.global_rank)
     if rng_path.is_file():
         set_rng_state(read_file(rng_path, "RNG state"))

@@ -84,6 +84,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (
         "is_compile_supported", "disable", "enable", "is_compiling", "compiled_autograd")),
     "deepspeed.runtime.lr_schedules": Mapped("zerotune.compat.lr_schedules", _LR_SCHEDULES),
+    "deepspeed.runtime.data_pipeline": Mapped("zerotune.curriculum", ("curriculum_scheduler", "CurriculumScheduler")),
+    "deepspeed.runtime.data_pipeline.curriculum_scheduler": Mapped("zerotune.curriculum.scheduler",
+                                                                   ("CurriculumScheduler",)),
     "deepspeed.runtime.zero": Mapped("zerotune.compat.zero", (*_ZERO, "DeepSpeedZeRoOffload")),
     "deepspeed.runtime.zero.partition_parameters": Mapped("zerotune.compat.zero", (
         *_ZERO, "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator")),
@@ -144,6 +147,10 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.ops.transformer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.compression": "the compression library (deepspeed.compression)",
     "deepspeed.compression.compress": "the compression library (deepspeed.compression)",
+    "deepspeed.runtime.data_pipeline.data_sampling": "the data efficiency library's data sampler and offline data "
+                                                     "analyzer (the data_efficiency curriculum runs on the engine's "
+                                                     "data loader instead)",
+    "deepspeed.runtime.data_pipeline.data_routing": "random layerwise token dropping (random-LTD)",
 }
 
 # Names refused when *called* (they live in modules that are otherwise supported).

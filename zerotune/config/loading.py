@@ -26,7 +26,7 @@ from .numbers import check_hyperparameters
 from .pydantic_errors import show_value, translate
 from .schema import ZeroTuneConfig
 from .section import Section
-from .tree import is_free_dict, iter_leaves, join, list_item_section, path_in, section_class
+from .tree import dict_value_section, is_free_dict, iter_leaves, join, list_item_section, path_in, section_class
 from .types import AUTO
 
 
@@ -167,6 +167,10 @@ def _normalize_value(value: Any, annotation: Any, path: str, notes: list[tuple[s
         bad = next((k for k in value if not isinstance(k, str)), None)
         if bad is not None:
             raise ConfigError(join(path, _printable(bad)), f"keys must be strings, got {type(bad).__name__}")
+        entry = dict_value_section(annotation)
+        if entry is not None:
+            return {k: normalize_keys(v, entry, join(path, _printable(k)), notes) if isinstance(v, Mapping) else v
+                    for k, v in value.items()}
     return value
 
 

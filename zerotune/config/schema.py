@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, PrivateAttr, field_validator
 
+from .curriculum_section import CurriculumLearningConfig, DataEfficiencyConfig
 from .section import NoEffect, Section
 from .sections import (
     ActivationCheckpointingConfig,
@@ -56,7 +57,7 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 # Top-level DeepSpeed keys accepted without a field: the values for which they change nothing here.
 _NO_EFFECT_TOP: dict[str, NoEffect] = {
     **{block: (_disabled, '{"enabled": false}', "the feature is off") for block in (
-        "flops_profiler", "autotuning", "elasticity", "data_efficiency", "curriculum_learning", "amp", "eigenvalue",
+        "flops_profiler", "autotuning", "elasticity", "amp", "eigenvalue",
         "progressive_layer_drop", "hybrid_engine", "nebula", "comet", "torch_autocast")},
     "comms_logger": (None, "", "every collective is always counted: zerotune.comm.comm_stats() / log_summary()"),
     "timers": (None, "", "the throughput timer always runs (engine.tput_timer)"),
@@ -122,6 +123,10 @@ class ZeroTuneConfig(Section):
     """torch.compile of the model (DeepSpeed's ``compile`` block; DeepCompile refused)."""
     tensor_parallel: TensorParallelConfig = Field(default_factory=TensorParallelConfig)
     """Tensor parallelism (AutoTP)."""
+    curriculum_learning: CurriculumLearningConfig = Field(default_factory=CurriculumLearningConfig)
+    """DeepSpeed's legacy seqlen curriculum, applied by the engine's forward (config/curriculum_section.py)."""
+    data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
+    """DeepSpeed's data efficiency: its analyzer-free curriculum over the engine's data loader."""
     sequence_parallel_size: AutoPosInt = 1
     """Ulysses sequence-parallel degree; 1 disables sequence parallelism."""
     steps_per_print: AutoPosInt = 10

@@ -20,11 +20,11 @@ NO_DEFAULT = object()
 
 
 def section_class(annotation: Any) -> type[Section] | None:
-    """The Section subclass inside a field annotation (``X``, ``Optional[X]``), if any; lists of
-    sections are not nested sections (see ``list_item_section``)."""
+    """The Section subclass inside a field annotation (``X``, ``Optional[X]``), if any; lists and maps of
+    sections are not nested sections (see ``list_item_section`` and ``dict_value_section``)."""
     if isinstance(annotation, type) and issubclass(annotation, Section):
         return annotation
-    if typing.get_origin(annotation) is list:
+    if typing.get_origin(annotation) in (list, dict):
         return None
     for arg in typing.get_args(annotation):
         found = section_class(arg)
@@ -39,6 +39,16 @@ def list_item_section(annotation: Any) -> type[Section] | None:
         args = typing.get_args(annotation)
         if args and isinstance(args[0], type) and issubclass(args[0], Section):
             return args[0]
+    return None
+
+
+def dict_value_section(annotation: Any) -> type[Section] | None:
+    """For ``dict[str, X]`` with X a Section: X (each value is a section of its own under a user-chosen name,
+    e.g. data_efficiency's ``curriculum_metrics``)."""
+    if typing.get_origin(annotation) is dict:
+        args = typing.get_args(annotation)
+        if len(args) == 2 and isinstance(args[1], type) and issubclass(args[1], Section):
+            return args[1]
     return None
 
 
