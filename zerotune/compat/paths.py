@@ -119,6 +119,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.ops.lamb": Mapped("zerotune.compat.ops", ("FusedLamb",)),
     # the seed guide's spelling of the ZeRO optimizer wrapper (DeepSpeed's own lives in runtime.zero)
     "deepspeed.pt": Mapped("zerotune.compat.pt", ("DeepSpeedZeROOptimizer",)),
+    "deepspeed.runtime.fp16": Mapped("zerotune.compat.fp16", ("fused_optimizer", "unfused_optimizer")),
+    "deepspeed.runtime.fp16.fused_optimizer": Mapped("zerotune.compat.fp16", ("FP16_Optimizer",)),
+    "deepspeed.runtime.fp16.unfused_optimizer": Mapped("zerotune.compat.fp16", ("FP16_UnfusedOptimizer",)),
     "deepspeed.runtime.zero.config": Mapped("zerotune.compat.zero_config", (
         "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
         "ZeroStageEnum")),
@@ -155,6 +158,10 @@ REFUSED_MODULES: dict[str, str] = {
 
 # Names refused when *called* (they live in modules that are otherwise supported).
 REFUSED_NAMES: dict[str, str] = {
+    "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer": "DeepSpeed's fp16 optimizer wrapper (zerotune's mixed "
+                                                             "precision lives in the engine)",
+    "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "DeepSpeed's fp16 optimizer wrapper (zerotune's "
+                                                                      "mixed precision lives in the engine)",
     "deepspeed.moe.layer.MoE": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.init_inference": "inference (init_inference, kernel injection)",
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
