@@ -87,5 +87,5 @@ def test_api_surface_script() -> None:
         assert row["backward_returns"] and row["steps"] == 2 and row["hooked"] == [1, 2]
         assert row["samples_per_sec"] and row["gas"] == 4 and row["eval"]
         assert row["no_sync"] == "engine.no_sync() is incompatible with ZeRO stage 3"
-        assert row["refused"] == ("deepspeed.init_inference: inference (init_inference, kernel injection) is a "
-                                  "DeepSpeed feature zerotune does not support")
+        assert row["refused"] == ("deepspeed.DeepSpeedTransformerLayer: the fused transformer kernel "
+                                  "(DeepSpeedTransformerLayer) is a DeepSpeed feature zerotune does not support")

@@ -9,11 +9,12 @@ from zerotune import checkpointing, comm, zero
 from zerotune.compat.alias import install_deepspeed_alias, install_zerotune_deepspeed_paths, uninstall_deepspeed_alias
 from zerotune.distributed.env import init_distributed
 from zerotune.engine import Engine
+from zerotune.inference import init_inference
 from zerotune.initialize import add_config_arguments, initialize
 
 __version__ = "0.1.0"
 install_zerotune_deepspeed_paths()  # ``import zerotune.runtime.pipe.engine`` etc., as DeepSpeed's paths
 DeepSpeedEngine = Engine  # the name DeepSpeed scripts use in isinstance checks and type hints
 
-__all__ = ["initialize", "zero", "checkpointing", "init_distributed", "add_config_arguments", "comm", "Engine",
-           "DeepSpeedEngine", "install_deepspeed_alias", "uninstall_deepspeed_alias", "__version__"]
+__all__ = ["initialize", "init_inference", "zero", "checkpointing", "init_distributed", "add_config_arguments", "comm",
+           "Engine", "DeepSpeedEngine", "install_deepspeed_alias", "uninstall_deepspeed_alias", "__version__"]

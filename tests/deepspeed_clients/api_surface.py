@@ -79,7 +79,7 @@ model_parallel_cuda_manual_seed(5)
 with get_cuda_rng_tracker().fork():
     torch.rand(1)
 try:
-    deepspeed.init_inference(net)
+    deepspeed.DeepSpeedTransformerLayer(net)
 except ImportError as error:
     out["refused"] = str(error)
 print(json.dumps(out))

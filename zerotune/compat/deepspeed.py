@@ -7,9 +7,11 @@ from zerotune.compat import accelerator, checkpointing, ops, pipe, runtime, util
 from zerotune.compat.accelerator import get_accelerator
 from zerotune.compat.alias import DEEPSPEED_VERSION
 from zerotune.compat.lr_schedules import add_tuning_arguments
-from zerotune.compat.refusals import refused_class, refused_function
+from zerotune.compat.refusals import refused_class
 from zerotune.compat.runtime import DeepSpeedConfig, DeepSpeedEngine
 from zerotune.distributed.env import init_distributed
+from zerotune.inference import InferenceConfig as DeepSpeedInferenceConfig
+from zerotune.inference import InferenceEngine, init_inference
 from zerotune.initialize import add_config_arguments, initialize
 from zerotune.pipe.engine import PipelineEngine
 
@@ -18,7 +20,6 @@ __version_major__, __version_minor__, __version_patch__ = (int(p) for p in DEEPS
 __git_hash__ = "zerotune"
 __git_branch__ = "zerotune"
 
-init_inference = refused_function("deepspeed.init_inference")
 DeepSpeedTransformerLayer = refused_class("deepspeed.DeepSpeedTransformerLayer")
 DeepSpeedTransformerConfig = refused_class("deepspeed.DeepSpeedTransformerConfig")
 
@@ -26,4 +27,5 @@ __all__ = [
     "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
     "PipelineEngine", "DeepSpeedConfig", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator", "utils",
     "runtime", "get_accelerator", "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
+    "InferenceEngine", "DeepSpeedInferenceConfig",
 ]

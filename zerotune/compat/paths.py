@@ -49,13 +49,24 @@ _LR_SCHEDULES = ("VALID_LR_SCHEDULES", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR"
                  "WARMUP_COSINE_LR", "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
                  "add_tuning_arguments")
 _OPS_ADAM = ("FusedAdam", "DeepSpeedCPUAdam")
+_KERNEL_INJECTION = "inference kernel injection (init_inference splits with AutoTP and runs the model's own modules)"
+_MODULE_INJECT_REFUSED = {
+    "replace_transformer_layer": _KERNEL_INJECTION, "revert_transformer_layer": _KERNEL_INJECTION,
+    "generic_injection": _KERNEL_INJECTION,
+    "ReplaceWithTensorSlicing": "DeepSpeed's inference tensor slicing (AutoTP splits through zerotune.parallel.tensor)",
+    "LinearAllreduce": "DeepSpeed's inference tensor-parallel layers (zerotune's: zerotune.parallel.tensor)",
+    "LinearLayer": "DeepSpeed's inference tensor-parallel layers (zerotune's: zerotune.parallel.tensor)",
+    "GroupQuantizer": "int8 weight quantization for the inference kernels",
+    "quantize_transformer_layer": "int8 weight quantization for the inference kernels",
+}
 
 DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed": Mapped("zerotune.compat.deepspeed", (
         "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
         "PipelineEngine", "DeepSpeedConfig", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator",
         "utils", "runtime", "get_accelerator", "__version__", "__version_major__", "__version_minor__", "__version_patch__",
-        "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig")),
+        "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "InferenceEngine",
+        "DeepSpeedInferenceConfig")),
     "deepspeed.comm": Mapped("zerotune.comm", _COMM),
     "deepspeed.comm.comm": Mapped("zerotune.comm", _COMM),
     "deepspeed.accelerator": Mapped("zerotune.compat.accelerator", _ACCELERATOR),
@@ -137,12 +148,21 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "OffloadDeviceEnum", "OffloadStateTypeEnum", "DeepSpeedZeroOffloadParamConfig",
         "DeepSpeedZeroOffloadOptimizerConfig")),
     "deepspeed.runtime.zero.offload_states": Mapped("zerotune.compat.offload_states", ("get_state_devices",)),
+    # init_inference on zerotune's AutoTP (zerotune/inference/); kernel injection refused by name
+    "deepspeed.inference": Mapped("zerotune.compat.inference", ("InferenceEngine", "DeepSpeedInferenceConfig")),
+    "deepspeed.inference.engine": Mapped("zerotune.inference.engine", ("InferenceEngine",)),
+    "deepspeed.inference.config": Mapped("zerotune.compat.inference", ("DeepSpeedInferenceConfig", "DeepSpeedTPConfig")),
+    "deepspeed.module_inject": Mapped("zerotune.compat.module_inject", ("AutoTP", *_MODULE_INJECT_REFUSED)),
+    "deepspeed.module_inject.auto_tp": Mapped("zerotune.compat.module_inject", ("AutoTP",)),
 }
 
 REFUSED_MODULES: dict[str, str] = {
     "deepspeed.compile": "DeepCompile's graph passes (deepspeed.compile; engine.compile() runs torch.compile)",
-    "deepspeed.inference": "inference (init_inference, kernel injection)",
-    "deepspeed.module_inject": "inference kernel injection",
+    "deepspeed.inference.v2": "DeepSpeed-FastGen (inference v2: ragged batching and its kernels)",
+    "deepspeed.module_inject.replace_module": _KERNEL_INJECTION,
+    "deepspeed.module_inject.layers": "DeepSpeed's inference tensor-parallel layers (zerotune's: zerotune.parallel.tensor)",
+    "deepspeed.module_inject.containers": _KERNEL_INJECTION,
+    "deepspeed.model_implementations": "the fused inference kernels' model implementations",
     "deepspeed.moe.utils": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.moe.experts": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.moe.sharded_moe": "Mixture-of-Experts layers (deepspeed.moe)",
@@ -163,7 +183,7 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "DeepSpeed's fp16 optimizer wrapper (zerotune's "
                                                                       "mixed precision lives in the engine)",
     "deepspeed.moe.layer.MoE": "Mixture-of-Experts layers (deepspeed.moe)",
-    "deepspeed.init_inference": "inference (init_inference, kernel injection)",
+    **{f"deepspeed.module_inject.{name}": feature for name, feature in _MODULE_INJECT_REFUSED.items()},
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",
 }

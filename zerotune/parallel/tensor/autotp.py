@@ -141,8 +141,13 @@ def layers_to_split(model: nn.Module, tp: int, *, layer_specs: tuple[LayerRule, 
 
 
 def apply_autotp(model: nn.Module, group: dist.ProcessGroup, *, layer_specs: tuple[LayerRule, ...] = (),
-                 use_default_specs: bool = True) -> list[ShardedLayer]:
-    """Split ``model``'s layers over ``group`` in place; returns what was split, in model order."""
+                 use_default_specs: bool = True, gather_logits: bool = False) -> list[ShardedLayer]:
+    """Split ``model``'s layers over ``group`` in place; returns what was split, in model order.
+
+    ``gather_logits`` (inference): a vocabulary-parallel LM head all-gathers its logits to the full
+    vocabulary and the model keeps its own loss, so ``generate`` and sampling see every token's score;
+    training keeps this rank's vocabulary shard and the vocab-parallel loss (no ``[B, T, V]`` gather).
+    """
     tp = dist.get_world_size(group)
     chosen, plan = layers_to_split(model, tp, layer_specs=layer_specs, use_default_specs=use_default_specs)
     full = {id(p): p.detach().clone() for _, module, _ in chosen for p in module.parameters(recurse=False)}
@@ -163,8 +168,11 @@ def apply_autotp(model: nn.Module, group: dist.ProcessGroup, *, layer_specs: tup
     if plan is not None and plan.localize is not None:
         for module in model.modules():
             plan.localize(module, tp)
-    if any(layer.kind == "vocab" and isinstance(model.get_submodule(layer.name), ColumnParallelLinear)
-           for layer in sharded):
+    heads = [model.get_submodule(layer.name) for layer in sharded if layer.kind == "vocab"]
+    heads = [head for head in heads if isinstance(head, ColumnParallelLinear)]
+    for head in heads:
+        head.gather_output = gather_logits
+    if heads and not gather_logits:
         model.loss_function = vocab_parallel_causal_lm_loss(group)
     return sharded
 
