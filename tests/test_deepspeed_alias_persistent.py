@@ -80,6 +80,10 @@ def test_install_is_idempotent_status_reports_it_and_remove_undoes_it(clean: Ven
     first = venv.zerotune("install")
     assert first.returncode == 0 and first.stdout.startswith("installed: "), first.stdout + first.stderr
     assert (venv.site / PTH_NAME).read_text() == PTH_TEXT == "import _zerotune_deepspeed_alias\n"
+    launcher = venv.root / "bin" / "deepspeed"  # DeepSpeed's launcher command, on zerotune
+    assert f"`deepspeed` command: {launcher}" in first.stdout and os.access(launcher, os.X_OK)
+    usage = subprocess.run([str(launcher), "--help"], capture_output=True, text=True, timeout=240, env=ENV)
+    assert usage.returncode == 0 and "DeepSpeed's launcher on zerotune" in usage.stdout, usage.stderr
 
     status = venv.zerotune("status")
     assert status.returncode == 0, status.stdout + status.stderr
@@ -110,7 +114,7 @@ def test_install_is_idempotent_status_reports_it_and_remove_undoes_it(clean: Ven
 
     removed = venv.zerotune("remove")
     assert removed.returncode == 0 and removed.stdout.startswith("removed: "), removed.stderr
-    assert not (venv.site / PTH_NAME).exists() and not (venv.site / HOOK_NAME).exists()
+    assert not (venv.site / PTH_NAME).exists() and not (venv.site / HOOK_NAME).exists() and not launcher.exists()
     assert main(["deepspeed-alias", "remove", *target]) == 0
     assert capsys.readouterr().out.startswith("not installed: ")
     gone = venv.run("-c", "import deepspeed")

@@ -6,7 +6,9 @@ one is active): ``_zerotune_deepspeed_alias.py`` and ``zerotune_deepspeed_alias.
 ``site`` runs at every start. From then on ``import deepspeed`` resolves to zerotune in every
 process there: scripts, torchrun workers started by a tool, Ray workers, subprocesses. A process
 that never imports deepspeed pays nothing (the hook imports neither zerotune nor torch).
-``importlib.metadata.version("deepspeed")`` reports zerotune's DeepSpeed version.
+``importlib.metadata.version("deepspeed")`` reports zerotune's DeepSpeed version. It also writes the
+``deepspeed`` command into the environment's scripts directory (DeepSpeed's launcher, which starts
+``zerotune run --as-deepspeed``; see ``zerotune/compat/launcher.py``) unless a real one is there.
 
 ``install`` is refused when a real DeepSpeed is installed there (``--force`` shadows it anyway).
 For a single run, ``zerotune run --as-deepspeed`` needs no install.
@@ -57,7 +59,7 @@ def run_deepspeed_alias(args: argparse.Namespace) -> int:
 
 
 def _print_status(target: str | None) -> int:
-    from zerotune.compat.persistent import hook_status
+    from zerotune.compat.persistent import hook_status, is_zerotune_launcher, launcher_path
 
     status = hook_status(target)
     hook_words = {"current": "current", "missing": "missing (run `zerotune deepspeed-alias install`)",
@@ -67,4 +69,11 @@ def _print_status(target: str | None) -> int:
     real = status.real.describe() + (" (shadowed by the alias)" if status.installed else "") if status.real else "no"
     print(f"real DeepSpeed installed: {real}")
     print(f"import deepspeed in a new process of {sys.executable}: {status.resolves_to}")
+    launcher = launcher_path(target)
+    if launcher is not None:
+        if not launcher.exists():
+            state = "absent"
+        else:
+            state = "zerotune's" if is_zerotune_launcher(launcher) else "not zerotune's (left as it is)"
+        print(f"deepspeed command: {launcher} ({state})")
     return 0 if status.ok else 1

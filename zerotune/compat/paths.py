@@ -133,6 +133,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.fp16": Mapped("zerotune.compat.fp16", ("fused_optimizer", "unfused_optimizer")),
     "deepspeed.runtime.fp16.fused_optimizer": Mapped("zerotune.compat.fp16", ("FP16_Optimizer",)),
     "deepspeed.runtime.fp16.unfused_optimizer": Mapped("zerotune.compat.fp16", ("FP16_UnfusedOptimizer",)),
+    "deepspeed.launcher": Mapped("zerotune.compat.launcher", ("runner",)),
+    "deepspeed.launcher.runner": Mapped("zerotune.compat.launcher", (
+        "DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS", "parse_args", "main")),
     "deepspeed.runtime.zero.config": Mapped("zerotune.compat.zero_config", (
         "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
         "ZeroStageEnum")),

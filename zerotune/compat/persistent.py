@@ -6,7 +6,10 @@
 can find exactly what ``install`` wrote:
 
 * ``_zerotune_deepspeed_alias.py``: a verbatim copy of ``alias_hook.py`` (stdlib only, lazy);
-* ``zerotune_deepspeed_alias.pth``: ``import _zerotune_deepspeed_alias``, run by ``site`` at start.
+* ``zerotune_deepspeed_alias.pth``: ``import _zerotune_deepspeed_alias``, run by ``site`` at start;
+
+and the ``deepspeed`` command in the environment's scripts directory (``zerotune.compat.launcher``),
+marked as zerotune's so that ``remove`` deletes it and never a real DeepSpeed's.
 
 Installing over a real DeepSpeed is refused unless forced: the alias would shadow it in every
 process of the environment, which nobody should get by surprise.
@@ -30,6 +33,7 @@ PTH_NAME = "zerotune_deepspeed_alias.pth"
 HOOK_NAME = HOOK_MODULE + ".py"
 PTH_TEXT = f"import {HOOK_MODULE}\n"
 HOOK_SOURCE = Path(__file__).with_name("alias_hook.py")
+LAUNCHER_MARK = "# written by zerotune deepspeed-alias install: DeepSpeed's launcher on zerotune"
 
 _PROBE = """\
 import sys
@@ -132,9 +136,11 @@ def install_hook(target: str | os.PathLike | None = None, force: bool = False) -
     except OSError as error:
         raise AliasInstallError(f"could not write the hook into {directory}: {error}") from None
     said = {"absent": "installed", "current": "already installed", "other": "updated"}[before]
+    launcher = _install_launcher(target)
     if real is None:
-        return f"{said}: {pth}"
-    return f"{said}: {pth} (shadowing the real {real.describe()}; `zerotune deepspeed-alias remove` brings it back)"
+        return f"{said}: {pth}{launcher}"
+    return (f"{said}: {pth}{launcher} (shadowing the real {real.describe()}; `zerotune deepspeed-alias remove` brings "
+            "it back)")
 
 
 def remove_hook(target: str | os.PathLike | None = None) -> str:
@@ -149,6 +155,9 @@ def remove_hook(target: str | os.PathLike | None = None) -> str:
         _forget_bytecode(hook)
     except OSError as error:
         raise AliasInstallError(f"could not remove the hook from {directory}: {error}") from None
+    launcher = launcher_path(target)
+    if launcher is not None and is_zerotune_launcher(launcher):
+        launcher.unlink()
     return f"removed: {pth}"
 
 
@@ -164,6 +173,36 @@ def hook_status(target: str | os.PathLike | None = None, timeout: float = 300.0)
         hook_state = "current" if hook.read_text() == HOOK_SOURCE.read_text() else "stale"
     real = find_real_deepspeed([str(directory)] if target is not None else None)
     return HookStatus(pth, installed, hook_state, real, _probe(timeout))
+
+
+def launcher_path(target: str | os.PathLike | None = None) -> Path | None:
+    """Where the ``deepspeed`` command goes: this interpreter's scripts directory (none with ``--target``,
+    whose environment's scripts directory is not known)."""
+    return None if target is not None else Path(sysconfig.get_paths()["scripts"]) / "deepspeed"
+
+
+def is_zerotune_launcher(path: Path) -> bool:
+    try:
+        return LAUNCHER_MARK in path.read_text(errors="replace")[:500]
+    except OSError:
+        return False
+
+
+def _install_launcher(target: str | os.PathLike | None) -> str:
+    """Write the ``deepspeed`` command (DeepSpeed's launcher, run as ``zerotune run --as-deepspeed``) unless a
+    real DeepSpeed's command is there; returns the words to add to install's line."""
+    path = launcher_path(target)
+    if path is None:
+        return "; no `deepspeed` command written (--target names no scripts directory)"
+    if path.exists() and not is_zerotune_launcher(path):
+        return f"; `deepspeed` command left as it is ({path} is not zerotune's)"
+    try:
+        _write(path, f"#!{sys.executable}\n{LAUNCHER_MARK}\nimport sys\n\nfrom zerotune.compat.launcher import main\n\n"
+                     "sys.exit(main())\n")
+        path.chmod(0o755)
+    except OSError as error:
+        raise AliasInstallError(f"could not write the deepspeed command {path}: {error}") from None
+    return f"; `deepspeed` command: {path}"
 
 
 def _probe(timeout: float) -> str:
