@@ -24,6 +24,10 @@ from zerotune.engine_offload_states import BACKWARD_NEEDS, FORWARD_NEEDS
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
 
 
+class NoSyncError(RuntimeError, AssertionError):
+    """A misuse of ``engine.no_sync()``; also an AssertionError, which DeepSpeed raises (and its tests expect)."""
+
+
 class Engine(EngineCompile, EngineCore):
     """Wraps a model for data-parallel training: DeepSpeed's micro-step API over the step core."""
 
@@ -92,8 +96,9 @@ class Engine(EngineCompile, EngineCore):
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Act at the accumulation boundary; a no-op (besides counting) on other micro-steps."""
         if self._inside_no_sync:
-            raise RuntimeError("engine.step() inside engine.no_sync(): leave the no_sync block first (the "
-                               "gradients accumulated there are reduced by the next backward outside it)")
+            raise NoSyncError("It is illegal to call Engine.step() inside no_sync context manager: leave the "
+                              "engine.no_sync() block first (the gradients accumulated there are reduced by the next "
+                              "backward outside it)")
         self._require_on_device("step()")
         boundary = self.is_gradient_accumulation_boundary()
         if boundary and self.optimizer is None:
@@ -138,10 +143,12 @@ class Engine(EngineCompile, EngineCore):
         stages 2/3 reduce gradients to their owners as they are produced, so they refuse, as DeepSpeed).
         The next backward outside the block reduces everything accumulated."""
         if self.zero_optimization_stage() >= 2:
-            raise RuntimeError(f"engine.no_sync() is incompatible with ZeRO stage {self.zero_optimization_stage()}, "
-                               "which partitions gradients during backward; use stage 0 or 1")
+            raise NoSyncError(f"engine.no_sync(): no_sync context manager is incompatible with ZeRO stage "
+                              f"{self.zero_optimization_stage()}, which partitions gradients during backward; use "
+                              "stage 0 or 1")
         if self._inside_no_sync:
-            raise RuntimeError("engine.no_sync() blocks cannot be nested")
+            raise NoSyncError("no_sync context manager reentry is unsupported: engine.no_sync() blocks cannot be "
+                              "nested")
         self._inside_no_sync = True
         try:
             yield

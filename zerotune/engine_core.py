@@ -39,6 +39,7 @@ from zerotune.monitor.writers import ScalarWriters
 from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, NonFiniteError, StaticLossScaler
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.contracts import ZeroState
+from zerotune.zero.fragments import register_owner
 from zerotune.zero.stage3.saving import iter_consolidated, save_consolidated
 
 
@@ -94,6 +95,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.policy = policy
         self.state = state
         self.optimizer = optimizer
+        register_owner(module.parameters(), self)  # how deepspeed.utils.safe_get_full_grad(param) & co. find us
         if state.units and optimizer is not None:  # stage 3: DeepSpeed's engine.optimizer.parameter_offload, through
             # which TRL drops and re-adds the module hooks around generation (zerotune/compat/parameter_offload.py)
             from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload

@@ -49,6 +49,11 @@ _LR_SCHEDULES = ("VALID_LR_SCHEDULES", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR"
                  "WARMUP_COSINE_LR", "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
                  "add_tuning_arguments")
 _OPS_ADAM = ("FusedAdam", "DeepSpeedCPUAdam")
+_TENSOR_FRAGMENT = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
+                    "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad",
+                    "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
+                    "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad",
+                    "safe_set_local_grad")
 _KERNEL_INJECTION = "inference kernel injection (init_inference splits with AutoTP and runs the model's own modules)"
 _MODULE_INJECT_REFUSED = {
     "replace_transformer_layer": _KERNEL_INJECTION, "revert_transformer_layer": _KERNEL_INJECTION,
@@ -74,7 +79,8 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.accelerator.abstract_accelerator": Mapped("zerotune.compat.accelerator", ("DeepSpeedAccelerator",)),
     "deepspeed.utils": Mapped("zerotune.compat.utils", (
         "logger", "log_dist", "logging", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-        "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx")),
+        "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx", *_TENSOR_FRAGMENT)),
+    "deepspeed.utils.tensor_fragment": Mapped("zerotune.compat.tensor_fragment", _TENSOR_FRAGMENT),
     "deepspeed.utils.torch": Mapped("zerotune.compat.torch_version", (
         "required_torch_version", "is_functorch_transforming", "register_grad_hook", "jit_script_compat")),
     "deepspeed.utils.logging": Mapped("zerotune.compat.ds_logging", (
@@ -124,6 +130,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "OpBuilder", "ALL_OPS", "CPUAdamBuilder", "FusedAdamBuilder", "FusedLambBuilder", "AsyncIOBuilder",
         "InferenceBuilder", "TransformerBuilder", "QuantizerBuilder", "SparseAttnBuilder", "PinMemoryBuilder")),
     "deepspeed.ops.op_builder.all_ops": Mapped("zerotune.compat.op_builder", ("ALL_OPS",)),
+    "deepspeed.ops.aio": Mapped("zerotune.compat.op_builder", ("AsyncIOBuilder",)),
+    "deepspeed.runtime.swap_tensor": Mapped("zerotune.compat.swap_tensor", ("MIN_SWAPPABLE_BYTES", "MIN_AIO_BYTES",
+                                                                          "AIO_ALIGNED_BYTES")),
     "deepspeed.git_version_info": Mapped("zerotune.compat.git_version_info", (
         "version", "git_hash", "git_branch", "installed_ops", "compatible_ops", "torch_info")),
     "deepspeed.ops.adam": Mapped("zerotune.compat.ops", _OPS_ADAM),

@@ -43,6 +43,7 @@ class AllReduceGradSync:
         self.buckets = GradientBuckets.whole_params(self.params, bucket_numel, torch.float32, device, self._launch)
         self._handles: list[tuple[comm.Handle, torch.Tensor, torch.Tensor]] = []  # (handle, bucket, on the wire)
         self._communicating = False
+        self._settled = False  # the boundary's all-reduce was finished ahead of the step (``settle``)
         self._grads_in_buckets = all(p.dtype == torch.float32 for p in self.params)
         self._hooks = register_grad_ready_hooks(self.params, self._on_grad_ready)
         self.compressor = compressor  # Top-K gradient compression of the all-reduce (gradient_compression)
@@ -52,6 +53,7 @@ class AllReduceGradSync:
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Call before each backward: only the boundary micro-step communicates."""
         self._communicating = is_boundary
+        self._settled = False
         if is_boundary:
             self.buckets.start_round()
             self._handles = []
@@ -89,6 +91,9 @@ class AllReduceGradSync:
 
     def finish(self) -> None:
         """Complete the boundary's communication; afterwards every bucket holds the mean gradient."""
+        if self._settled:  # (done already, by ``settle``)
+            self._settled = False
+            return
         self.buckets.launch_remaining()
         buffers = [bucket.buffer for bucket in self.buckets.buckets]
         if buffers:
@@ -104,6 +109,17 @@ class AllReduceGradSync:
             streams.join("reduce")  # the step reads the buckets next
         self._handles = []
         self._communicating = False
+
+    def settle(self) -> None:
+        """Between a boundary backward and the step: finish the all-reduce now, so the gradients read (or written)
+        are the means the step uses; the step's ``finish`` then has nothing left to do. Otherwise nothing."""
+        if self._communicating:
+            self.finish()
+            self._settled = True
+
+    def whole_grad(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """Every rank holds every gradient whole: the mean after a settled boundary, else this rank's own sum."""
+        return self.grad_of(param)
 
     def wait_in_flight(self) -> None:
         """Wait for the all-reduces launched so far (they write into the buckets) without ending the round:

@@ -16,11 +16,12 @@ import torch.distributed as dist
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import MasterWeights
 from zerotune.zero.allreduce_sync import AllReduceGradSync
+from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
 from zerotune.zero.held import HeldPiece, HeldStateDict
 
 
-class ReplicatedState(HeldStateDict):
+class ReplicatedState(HeldStateDict, ParamFragments):
     """Full fp32 masters (or the parameters themselves in fp32) and the all-reduce gradient sync."""
 
     def __init__(self, weights: MasterWeights, grad_sync: AllReduceGradSync,
@@ -48,6 +49,8 @@ class ReplicatedState(HeldStateDict):
 
     units: list = []
     """No partitioned units below stage 3."""
+    shards_masters = False
+    """Every rank holds every master whole."""
 
     def master_pieces(self) -> list[list[HeldPiece]]:
         """Master i is the whole of trainable parameter i."""
@@ -62,8 +65,12 @@ class ReplicatedState(HeldStateDict):
         return [{**group, "params": [self.weights.master_of(p) for p in group["params"] if id(p) in trainable]}
                 for group in groups]
 
-    def step_grads(self) -> list[torch.Tensor]:
+    def master_grads(self) -> list[torch.Tensor]:
+        """Each parameter's fp32 gradient (a view of its bucket)."""
         return [self.grad_sync.grad_of(p) for p in self.params]
+
+    def step_grads(self) -> list[torch.Tensor]:
+        return self.master_grads()
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         if self.grad_sync.local_only:  # per-rank gradients: the root mean square of the ranks' norms, the same

@@ -25,6 +25,7 @@ from zerotune.distributed import comm
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.flat_params import FlatParamGroup
+from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
 from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
 from zerotune.zero.partition import FlatLayout, flat_layout
@@ -48,7 +49,7 @@ def _range_writer(shard: torch.Tensor):
     return write
 
 
-class ShardedState(HeldStateDict):
+class ShardedState(HeldStateDict, ParamFragments):
     """Flat parameters + master shards of every param group, and the step phases that use them."""
 
     def __init__(self, group_params: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
@@ -125,8 +126,12 @@ class ShardedState(HeldStateDict):
         if staged is not None:
             return staged
         if self.placement.streams_grads:  # converted chunk by chunk in the step
-            return [self.grad_sync.shard_grad(g) for g in range(len(self.flat_groups))]
-        return [self.grad_sync.shard_grad(g).float() for g in range(len(self.flat_groups))]
+            return self.master_grads()
+        return [grad.float() for grad in self.master_grads()]
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """Each group's gradient slice, in the parameters' dtype (complete after ``grad_sync.finish``)."""
+        return [self.grad_sync.shard_grad(g) for g in range(len(self.flat_groups))]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         return global_grad_norm(grads, shard_group=self.group, model_groups=self._model_groups, skip=self._norm_skip)

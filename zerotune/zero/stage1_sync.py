@@ -42,10 +42,12 @@ class ReduceAtBoundaryGradSync:
             for fg, buffer in zip(self.flat_groups, self.grad_buffers)
         ]
         self.compressor = compressor  # Top-K gradient compression of the reduce-scatter (gradient_compression)
+        self._due = False  # a boundary backward ran: its reduce-scatter is due
+        self._reduced = False  # the buffers' owned slices hold the means (the rest is scratch) until zero_grad
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Point every ``param.grad`` at its slot so autograd accumulates into the flat buffer."""
-        del is_boundary
+        self._due, self._reduced = is_boundary, False
         for fg, views in zip(self.flat_groups, self._views):
             for param, view in zip(fg.params, views):
                 if param.grad is None:
@@ -53,6 +55,9 @@ class ReduceAtBoundaryGradSync:
 
     def finish(self) -> None:
         """Reduce-scatter each group's gradients; afterwards ``shard_grad(g)`` is this rank's mean gradient."""
+        if self._reduced:  # (done already: ``settle`` ran ahead of the step)
+            return
+        self._due, self._reduced = False, True
         handles = []
         for index, (fg, buffer, views) in enumerate(zip(self.flat_groups, self.grad_buffers, self._views)):
             for param, view in zip(fg.params, views):
@@ -88,6 +93,20 @@ class ReduceAtBoundaryGradSync:
                     self.shard_grad(g).mul_(self.post_factor)
         streams.join("reduce")
 
+    def settle(self) -> None:
+        """Between a boundary backward and the step: reduce-scatter now, so the gradients read (or written) are the
+        means the step uses; the step's ``finish`` then has nothing left to do. Otherwise nothing."""
+        if self._due:
+            self.finish()
+
+    def whole_grad(self, param: torch.nn.Parameter) -> torch.Tensor | None:
+        """Before the boundary's reduce-scatter each rank holds its own whole sum of ``param``'s gradient; after
+        it, only ``shard_grad`` is a mean (the rest of the buffer is scratch): None."""
+        if self._reduced:
+            return None
+        return next(view for fg, views in zip(self.flat_groups, self._views)
+                    for p, view in zip(fg.params, views) if p is param)
+
     def shard_grad(self, group_index: int) -> torch.Tensor:
         """This rank's slice of group ``group_index``'s gradient (valid after ``finish``)."""
         fg = self.flat_groups[group_index]
@@ -95,6 +114,7 @@ class ReduceAtBoundaryGradSync:
         return self.grad_buffers[group_index][start:end]
 
     def zero_grad(self) -> None:
+        self._reduced = False
         for buffer in self.grad_buffers:
             buffer.zero_()
         for fg in self.flat_groups:

@@ -168,6 +168,15 @@ class BucketedReduceGradSync:
         if self._round_open:
             self._complete_round()
 
+    def settle(self) -> None:
+        """Finish the reductions still in flight (the step's ``finish`` then has none left): every micro-step's
+        gradients are reduced to their owners, so the slices are the means accumulated so far."""
+        self.finish()
+
+    def whole_grad(self, param: torch.nn.Parameter) -> None:
+        """No rank ever holds a whole gradient: only its slices (``shard_grad``)."""
+        return None
+
     def shard_grad(self, group_index: int) -> torch.Tensor:
         return self.grad_shards[group_index]
 

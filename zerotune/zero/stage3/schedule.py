@@ -320,6 +320,13 @@ class UnitScheduler:
     def finish(self) -> None:
         """Gradients are complete when backward returns (the end-of-backward callback waited for them)."""
 
+    def settle(self) -> None:
+        """Nothing to finish ahead of the step: every micro-step's backward ends with its gradients reduced."""
+
+    def whole_grad(self, param: torch.nn.Parameter) -> None:
+        """No rank holds a whole gradient: only its units' ``grad_shard`` slices."""
+        return None
+
     def after_step(self) -> None:
         """The shards changed: persistent units must gather the new values before their next use."""
         for unit in self.units:

@@ -19,10 +19,12 @@ import torch.distributed as dist
 from zerotune.distributed import comm
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
+from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import global_grad_norm
 from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
 from zerotune.zero.stage3.schedule import UnitScheduler
 from zerotune.zero.stage3.segment import FlatSegment
+from zerotune.zero.stage3.sharded_param import sharded_param_of
 from zerotune.zero.stage3.unit import ParamUnit
 
 
@@ -41,7 +43,7 @@ def _group_ranges(unit: ParamUnit, group_of: dict[int, int], n_groups: int) -> l
     return ranges
 
 
-class Stage3State(HeldStateDict):
+class Stage3State(HeldStateDict, ParamFragments):
     """Masters, optimizer groups and step phases over partitioned units (the engine's state interface)."""
 
     def __init__(self, trainable_groups: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
@@ -149,9 +151,26 @@ class Stage3State(HeldStateDict):
         staged = self.placement.staged_grads()
         if staged is not None:
             return staged
-        convert = not self.placement.streams_grads  # (NVMe offload converts chunk by chunk in the step)
-        return [(unit.grad_shard[lo:hi].float() if convert else unit.grad_shard[lo:hi]) if unit is not None
-                else master.new_zeros(0) for (_, unit, lo, hi), master in zip(self._slots, self.masters)]
+        grads = self.master_grads()
+        return grads if self.placement.streams_grads else [g.float() for g in grads]  # (NVMe: chunk by chunk)
+
+    def master_grads(self) -> list[torch.Tensor]:
+        """Each master's part of its unit's reduced gradient shard, in the model dtype (complete after backward)."""
+        return [unit.grad_shard[lo:hi] if unit is not None else master.new_zeros(0)
+                for (_, unit, lo, hi), master in zip(self._slots, self.masters)]
+
+    def write_weight(self, param: torch.Tensor, lo: int, values: torch.Tensor) -> None:
+        """Round the elements of ``[lo, lo + n)`` that lie in this rank's shard into it (in memory or its swap file);
+        a gathered copy is released, to be gathered with the new values when next used."""
+        sharded = sharded_param_of(param)
+        segment = sharded.segment
+        start, end = segment.layout.owned_range(segment.rank)
+        first, last = max(start, sharded.offset + lo), min(end, sharded.offset + lo + values.numel())
+        if first < last:
+            at = sharded.offset + lo
+            segment.write_local_range(first - start, values[first - at:last - at])
+        if segment.gathered:
+            segment.release()
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         return global_grad_norm(grads, shard_group=self.group)
