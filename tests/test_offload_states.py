@@ -210,3 +210,39 @@ def test_deepspeed_spellings_resolve_through_the_alias_and_name_the_same_kinds()
     assert Kind is OffloadStateTypeEnum and devices is get_state_devices and Device.cpu == "cpu"
     assert tuple(kind.value for kind in Kind) == STATE_KINDS  # the engine's plain names, in DeepSpeed's order
     assert DeepSpeedZeroOffloadOptimizerConfig(device="cpu", pin_memory=True).device == "cpu"
+
+
+
+def _empty_partition_cache(empty: bool) -> dict:
+    """Stage 3 with every unit persistent (threshold above the model): after a forward all stay gathered until
+    ``empty_partition_cache`` frees them; the next step gathers again and trains as if nothing happened."""
+    from zerotune.zero.stage3.ds_markers import ZeroParamStatus
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    config = _config(3, "fp32")
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 10 ** 9
+    model = make_mlp()
+    engine, *_ = zerotune.initialize(model=model, model_parameters=mlp_param_groups(model), config=config)
+    statuses, losses = [], []
+    for step in range(STEPS):
+        for micro in range(GAS):
+            loss = loss_of(engine, rank_slice(mlp_batch(step, micro, ROWS), rank, world))
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        with torch.no_grad():
+            losses.append(loss_of(engine, rank_slice(mlp_batch(step, 0, ROWS), rank, world)).item())
+        if empty:
+            before = {p.ds_status for p in engine.module.parameters()}
+            engine.empty_partition_cache()
+            statuses.append((before, {p.ds_status for p in engine.module.parameters()}))
+    engine.destroy()
+    return {"statuses": statuses, "losses": losses, "gathered": {ZeroParamStatus.AVAILABLE},
+            "freed": {ZeroParamStatus.NOT_AVAILABLE}}
+
+
+def test_empty_partition_cache_frees_every_gathered_parameter_and_training_goes_on() -> None:
+    emptied = run_distributed(_empty_partition_cache, 2, True)[0]
+    assert emptied["statuses"] and all(before == emptied["gathered"] and after == emptied["freed"]
+                                       for before, after in emptied["statuses"])
+    assert emptied["losses"] == run_distributed(_empty_partition_cache, 2, False)[0]["losses"]

@@ -145,6 +145,12 @@ class StateOffloading:
                 self._pinned_host[kind] = pinned
         self._offloaded.clear()
 
+    def empty_partition_cache(self) -> None:
+        """DeepSpeed's: free every gathered ZeRO-3 parameter now (persistent ones too; each unit is gathered again
+        at its next use), e.g. before handing the device to another phase. Stages 0-2 hold no gathered copies."""
+        for unit in self.state.units:
+            unit.release()
+
     def state_devices(self, kind: Any) -> set[torch.device]:
         """Where ``kind`` lives now (DeepSpeed's ``get_state_devices``): the host while offloaded, nothing for freed
         scratch, else the devices of its tensors."""
