@@ -162,3 +162,25 @@ def test_what_deepspeeds_own_test_harness_reads(alias) -> None:
         InferenceBuilder().load()
     assert required_torch_version(min_version=1.8) and not required_torch_version(min_version=99)
     assert required_torch_version(max_version=torch.__version__.split("+")[0])
+
+
+def test_moe_names_deepspeed_code_imports_for_every_model(alias) -> None:
+    """DeepSpeed's test models import MoE and split every model's parameters into MoE groups; without expert
+    parameters the groups come back as given, an expert-marked parameter is refused by name."""
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import is_moe_param, split_params_into_different_moe_groups_for_optimizer
+
+    model = nn.Linear(4, 4)
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": model.parameters(), "name": "p"})
+    assert groups == [{"params": list(model.parameters()), "name": "p"}] and not is_moe_param(model.weight)
+    with pytest.raises(ImportError, match="deepspeed.moe.layer.MoE: Mixture-of-Experts layers"):
+        MoE(hidden_size=4, expert=nn.Linear(4, 4), num_experts=2)
+    model.weight.allreduce = False  # how DeepSpeed's experts mark their parameters
+    with pytest.raises(ImportError, match=r"expert parallelism for MoE parameters \(1 marked allreduce=False"):
+        split_params_into_different_moe_groups_for_optimizer([{"params": list(model.parameters())}])
+
+
+def test_engine_members_deepspeeds_checkpoint_tests_compare() -> None:
+    from zerotune.engine_queries import EngineQueries
+
+    assert EngineQueries.sparse_tensor_module_names.fget(None) == set()  # dense gradients: no sparse modules

@@ -19,6 +19,12 @@ class EngineQueries:
     ``client_optimizer``, ``loss_scaler``, ``module`` and ``_config`` attributes."""
 
     @property
+    def sparse_tensor_module_names(self) -> set[str]:
+        """DeepSpeed's embedding modules whose gradients it reduces as sparse tensors: none here, every gradient is
+        reduced dense (the config's ``sparse_gradients`` is accepted only as false)."""
+        return set()
+
+    @property
     def device(self) -> torch.device:
         return self.env.device
 

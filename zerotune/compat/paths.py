@@ -21,6 +21,12 @@ class DeepSpeedFeatureNotSupported(ImportError, NotImplementedError):
 
     def __init__(self, name: str, feature: str) -> None:
         super().__init__(f"{name}: {feature} is a DeepSpeed feature zerotune does not support", name=name)
+        self.feature = feature
+
+    def __reduce__(self) -> tuple:
+        # Rebuilt from both arguments: a process pool or Ray sends a worker's exception to the parent pickled, and
+        # one that cannot be unpickled there kills the pool's result thread (every later task then waits forever).
+        return type(self), (self.name, self.feature)
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     # MoE is importable (DeepSpeed code imports it at module level) and refused when built: refusals.py
     "deepspeed.moe": Mapped("zerotune.compat.moe", ()),
     "deepspeed.moe.layer": Mapped("zerotune.compat.moe", ("MoE",)),
+    "deepspeed.moe.utils": Mapped("zerotune.compat.moe", (
+        "is_moe_param", "has_moe_layers", "is_moe_param_group", "split_params_into_different_moe_groups_for_optimizer",
+        "configure_moe_param_groups", "split_params_into_shared_and_expert_params")),
     "deepspeed.checkpointing": Mapped("zerotune.compat.checkpointing", _CHECKPOINTING),
     "deepspeed.runtime.activation_checkpointing": Mapped("zerotune.compat.checkpointing", _CHECKPOINTING),
     "deepspeed.runtime.activation_checkpointing.checkpointing": Mapped("zerotune.compat.checkpointing",
@@ -175,7 +184,6 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.module_inject.layers": "DeepSpeed's inference tensor-parallel layers (zerotune's: zerotune.parallel.tensor)",
     "deepspeed.module_inject.containers": _KERNEL_INJECTION,
     "deepspeed.model_implementations": "the fused inference kernels' model implementations",
-    "deepspeed.moe.utils": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.moe.experts": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.moe.sharded_moe": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.ops.sparse_attention": "sparse attention (deepspeed.ops.sparse_attention)",
