@@ -89,3 +89,12 @@ def test_api_surface_script() -> None:
         assert row["no_sync"] == "engine.no_sync() is incompatible with ZeRO stage 3"
         assert row["refused"] == ("deepspeed.DeepSpeedTransformerLayer: the fused transformer kernel "
                                   "(DeepSpeedTransformerLayer) is a DeepSpeed feature zerotune does not support")
+
+
+@pytest.mark.slow
+def test_rlhf_style_script_with_offloaded_states_matches_the_plain_loop() -> None:
+    rows = _run("rlhf_style.py")
+    for row in rows:
+        assert row["equal"], (row["plain"], row["offloaded"])  # bit-identical with the states moved and back
+        assert len(row["plain"]["losses"]) == 4 and all(norm > 0 for norm in row["plain"]["grad_norms"])
+    assert [row["rank"] for row in rows] == [0, 1]
