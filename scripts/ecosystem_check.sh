@@ -8,7 +8,7 @@
 #   TOOL VERSION: ZeRO 2 <ok|FAILED: why|MISMATCH: ...> | ZeRO 3 <...> | max rel loss diff vs non-DeepSpeed R (methods)
 #   TOOL VERSION: NOT INSTALLABLE: <the pin that conflicts with this environment / zerotune's bounds>
 #
-#   scripts/ecosystem_check.sh [--fresh] TOOL...        TOOL: trl
+#   scripts/ecosystem_check.sh [--fresh] TOOL...        TOOL: trl, ray, llamafactory, axolotl
 #
 # The tool's version is the registry's pin below; TOOL_VERSION=latest (e.g. TRL_VERSION=latest) or
 # TRL_VERSION=1.15.0 picks another. The tool is installed with --no-deps; what `pip check` then finds
@@ -26,6 +26,9 @@ set -uo pipefail
 # TOOL -> "pip-name pinned-version"
 declare -A REGISTRY=(
   [trl]="trl 1.16.0"
+  [ray]="ray 2.60.0"
+  [llamafactory]="llamafactory 0.9.5"
+  [axolotl]="axolotl 0.19.0"
 )
 # Never installed into a tool's venv, whatever it asks for (heavy, CUDA-bound, or what zerotune stands in for).
 NEVER='^(torch|torchvision|torchaudio|triton|deepspeed|vllm|xformers|flash[-_]attn|bitsandbytes|nvidia-.*|liger[-_]kernel)$'
@@ -87,29 +90,31 @@ install_tool() {  # install_tool TOOL VENV: prints the installed version, or "NO
   if ! "$vpy" -m pip install -q --no-deps --disable-pip-version-check "$spec" > "$venv/pip.log" 2>&1; then
     echo "NOT INSTALLABLE: pip install --no-deps $spec failed: $(grep -m1 -i error "$venv/pip.log")"; return 1
   fi
-  local round problems missing conflicts name
+  local round problems missing conflicts name line out bound
   for round in 1 2 3 4 5; do  # missing dependencies, then theirs
     problems=$(new_problems "$venv")
     missing=$(sed -n 's/^.* requires \([A-Za-z0-9_.\-]*\), which is not installed\.$/\1/p' <<< "$problems" | sort -u)
+    # every pin this environment does not meet, before anything else is installed: "X 1.0 has requirement
+    # transformers>=4.56, but you have transformers 4.46.0." (only the tool's tree), and what it requires
+    # that is never installed here
+    out=""
+    conflicts=$(grep ' has requirement ' <<< "$problems" || true)
+    while IFS= read -r line; do
+      [ -n "$line" ] || continue
+      name=$(sed -n 's/^.* has requirement \([A-Za-z0-9_.\-]*\).*$/\1/p' <<< "$line")
+      bound=$(zerotune_bound "$name" || true)
+      out+="${out:+; }${line%.}${bound:+ (zerotune: $bound)}"
+    done <<< "$conflicts"
+    for name in $missing; do
+      [[ ${name,,} =~ $NEVER ]] && out+="${out:+; }$(grep -m1 "requires $name," <<< "$problems" | sed 's/\.$//') (never installed here)"
+    done
+    [ -z "$out" ] || { echo "NOT INSTALLABLE: $out"; return 1; }
     [ -n "$missing" ] || break
     for name in $missing; do
-      if [[ ${name,,} =~ $NEVER ]]; then
-        echo "NOT INSTALLABLE: $(grep -m1 "requires $name," <<< "$problems") (never installed here)"; return 1
-      fi
       "$vpy" -m pip install -q --no-deps --disable-pip-version-check "$name" >> "$venv/pip.log" 2>&1 ||
         { echo "NOT INSTALLABLE: pip install --no-deps $name (a dependency) failed"; return 1; }
     done
   done
-  # "X 1.0 has requirement transformers>=4.56, but you have transformers 4.46.0." -- only the tool's tree
-  conflicts=$(grep ' has requirement ' <<< "$problems" || true)
-  if [ -n "$conflicts" ]; then
-    local line out=""
-    while IFS= read -r line; do
-      name=$(sed -n 's/^.* has requirement \([A-Za-z0-9_.\-]*\).*$/\1/p' <<< "$line")
-      out+="${out:+; }${line%.} (zerotune: $(zerotune_bound "$name" || true))"
-    done <<< "$conflicts"
-    echo "NOT INSTALLABLE: $out"; return 1
-  fi
   "$vpy" -c "import importlib.metadata as m; print(m.version('$package'))"
 }
 

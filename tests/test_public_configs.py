@@ -94,6 +94,20 @@ def test_no_effect_keys_with_a_value_that_would_matter_are_refused() -> None:
         in universal.notes
 
 
+def test_llamafactory_shipped_configs_extra_keys_are_accepted_with_a_note() -> None:
+    """LLaMA-Factory's examples/deepspeed/ds_z2_config.json / ds_z3_config.json (0.9.5) add two keys DeepSpeed
+    does not read (its config ignores unknown keys): accepted here, any value, each with its note."""
+    raw = json.loads((CONFIGS / "llamafactory_ds_z3_config.json").read_text())
+    raw["comms_config"] = {"verbose": False}
+    raw["monitor_config"] = {"enabled": True, "tag": "DeepSpeedMonitor", "csv_monitor": {"enabled": False}}
+    cfg = load_config(raw)
+    notes = dict(cfg.notes)
+    assert notes["comms_config"].startswith("no effect here: DeepSpeed does not read it either")
+    assert notes["monitor_config"].startswith("no effect here: DeepSpeed does not read it either")
+    assert not cfg.csv_monitor.enabled and not cfg.tensorboard.enabled  # no monitor is switched on by it
+    assert_implemented(resolve_config(cfg, dp_world_size=2, auto_values=TRAINER_AUTOS), zero_stages=(3,))
+
+
 def _train_with(name: str) -> list[float]:
     """The file as HF Trainer hands it over: the user's keys, "auto"s filled in."""
     raw = json.loads((CONFIGS / name).read_text())

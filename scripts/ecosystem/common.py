@@ -12,6 +12,7 @@ tool's case script can import this module from any environment that can run the 
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -82,6 +83,49 @@ def launch_command(script: Path) -> list[str]:
     return [*head, "--nproc_per_node", str(NPROC), "--master_port", str(_free_port()), str(script)]
 
 
+def one_process(script: Path) -> list[str]:
+    """The launch for a tool that starts its ranks itself (Ray's workers, a CLI's own torchrun): the worker is
+    one plain process per mode, which prints every rank's row."""
+    return [sys.executable, str(script)]
+
+
+ENGINE_BANNER = "zerotune engine: world"
+"""What zerotune logs at ``initialize``: how a case that only sees a CLI's output knows the ranks trained on
+zerotune engines."""
+
+
+def run_cli(command: list[str], env: dict[str, str], what: str) -> str:
+    """A tool's own command line (its ranks started by it); its output goes to stderr (the driver's failure
+    log) and is returned; a failure ends the worker naming WHAT."""
+    progress(what)
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env})
+    sys.stderr.write(done.stdout[-20000:] + done.stderr[-20000:])
+    if done.returncode != 0:
+        raise SystemExit(f"{what}: exited {done.returncode}")
+    return done.stdout + done.stderr
+
+
+def print_mean_rows(mode: str, losses: dict[str, list[float]], engines: dict[str, str]) -> None:
+    """The rows of a run whose log holds the ranks' mean loss (a CLI's trainer log): every rank the same."""
+    for rank in range(NPROC):
+        print_row({"rank": rank, "mode": mode, "losses": losses, "engines": engines})
+
+
+def case_parser(doc: str, methods: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The options of every case script, driver and worker (a case adds its own)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true", help="(internal) one mode")
+    parser.add_argument("--mode", default="ddp")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--methods", default=",".join(methods))
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per mode")
+    parser.add_argument("--line", action="store_true", help="print the one-line summary instead of JSON")
+    return parser
+
+
 def _free_port() -> int:
     import socket
 
@@ -90,12 +134,15 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_mode(script: Path, mode: str, args: list[str], timeout: int) -> tuple[list[dict] | None, str]:
-    """The ranks' rows of one worker launch, or None and the failure (the last traceback line)."""
+def run_mode(script: Path, mode: str, args: list[str], timeout: int,
+             launch: Callable[[Path], list[str]] = launch_command) -> tuple[list[dict] | None, str]:
+    """The ranks' rows of one worker launch, or None and the failure (the last traceback line). ``launch``:
+    the command that starts SCRIPT's ranks (torchrun by default; a tool that starts its own workers, Ray,
+    runs the script once)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", "TOKENIZERS_PARALLELISM": "false",
            "HF_DATASETS_DISABLE_PROGRESS_BARS": "1"}
-    command = [*launch_command(script), "--worker", "--mode", mode, *args]
+    command = [*launch(script), "--worker", "--mode", mode, *args]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -165,13 +212,13 @@ def compare_losses(got: dict[str, list[float]], want: dict[str, list[float]]) ->
 
 
 def drive(tool: str, version: str, script: Path, methods: tuple[str, ...], prepare: Callable[[Path], list[str]],
-          workdir: Path, timeout: int = 900) -> dict[str, Any]:
+          workdir: Path, timeout: int = 900, launch: Callable[[Path], list[str]] = launch_command) -> dict[str, Any]:
     """Run every mode, compare with the reference and return the summary ``summarize`` prints (also written
     to WORKDIR/summary.json)."""
     started = time.time()
     args = prepare(workdir)
     summary: dict[str, Any] = {"tool": tool, "version": version, "methods": list(methods), "max_rel": None}
-    reference, why = run_mode(script, "ddp", args + ["--out", str(workdir / "ddp")], timeout)
+    reference, why = run_mode(script, "ddp", args + ["--out", str(workdir / "ddp")], timeout, launch)
     if reference is None:
         summary["reference"] = f"FAILED: {why}"
         summary.update({mode: "not run (the reference run failed)" for mode in MODES[1:]})
@@ -179,7 +226,7 @@ def drive(tool: str, version: str, script: Path, methods: tuple[str, ...], prepa
         want = reference[0]["losses"]
         summary["reference"] = {method: len(losses) for method, losses in want.items()}
         for mode in MODES[1:]:
-            rows, why = run_mode(script, mode, args + ["--out", str(workdir / mode)], timeout)
+            rows, why = run_mode(script, mode, args + ["--out", str(workdir / mode)], timeout, launch)
             if rows is None:
                 summary[mode] = f"FAILED: {why}"
                 continue
@@ -198,6 +245,17 @@ def drive(tool: str, version: str, script: Path, methods: tuple[str, ...], prepa
     summary["seconds"] = round(time.time() - started)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def drive_and_print(tool: str, version: str, args: Any, script: Path, methods: tuple[str, ...],
+                    prepare: Callable[[Path], list[str]], launch: Callable[[Path], list[str]] = launch_command) -> None:
+    """A case's driver: ``drive`` in ARGS.workdir (a new temporary one if not given), its summary printed
+    (``--line``: the one-line form)."""
+    import tempfile
+
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix=f"zerotune-{tool}-"))
+    summary = drive(tool, version, script, methods, prepare, workdir, args.timeout, launch)
+    print(summarize(summary) if args.line else json.dumps(summary))
 
 
 def summarize(summary: dict[str, Any]) -> str:

@@ -61,6 +61,11 @@ _NO_EFFECT_TOP: dict[str, NoEffect] = {
         "progressive_layer_drop", "hybrid_engine", "nebula", "comet", "torch_autocast")},
     "comms_logger": (None, "", "every collective is always counted: zerotune.comm.comm_stats() / log_summary()"),
     "timers": (None, "", "the throughput timer always runs (engine.tput_timer)"),
+    # keys DeepSpeed itself never reads (its config ignores unknown keys); LLaMA-Factory's shipped
+    # examples/deepspeed/ds_z*_config.json set both
+    "comms_config": (None, "", "DeepSpeed does not read it either (its collectives log is comms_logger)"),
+    "monitor_config": (None, "", "DeepSpeed does not read it either (its monitors are the tensorboard, wandb, "
+                                 "csv_monitor and comet blocks)"),
     "zero_force_ds_cpu_optimizer": (None, "", "offloaded optimizer steps run torch's kernels for any torch optimizer"),
     "cuda_visible_devices": (None, "", "device visibility is the launcher's: set CUDA_VISIBLE_DEVICES in the environment"),
     "sparse_gradients": (_is(False), "false", "gradients are dense"),

@@ -1,0 +1,22 @@
+"""axolotl's DeepSpeed path on zerotune (issue 28): ``axolotl train`` LoRA SFT with ZeRO 2 / ZeRO 3 configs on
+2 CPU ranks logs the same losses as its non-DeepSpeed run (1e-5 relative). Runs
+scripts/ecosystem/axolotl_case.py where axolotl is installed; skipped elsewhere (and in this project's
+environment: axolotl pins transformers==5.16.1, accelerate==1.13.0, ... and needs triton / xformers)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.ecosystem import run_case
+
+pytest.importorskip("axolotl")
+pytestmark = pytest.mark.slow
+
+
+def test_axolotl_lora_sft_on_zerotune_matches_its_non_deepspeed_run(tmp_path: Path) -> None:
+    summary = run_case("axolotl", tmp_path)
+    assert summary["reference"] == {"sft": 3}, summary
+    assert summary["zero2"] == "ok" and summary["zero3"] == "ok", summary
+    assert summary["max_rel"] <= 1e-5, summary
