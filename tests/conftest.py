@@ -39,6 +39,18 @@ def _zerotune_logger_isolated():
         yield
 
 
+@pytest.fixture
+def alias():
+    """``import deepspeed`` resolves to zerotune for the test (and not after it)."""
+    from zerotune.compat.alias import install_deepspeed_alias, uninstall_deepspeed_alias
+
+    install_deepspeed_alias()
+    try:
+        yield
+    finally:
+        uninstall_deepspeed_alias()
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--reverse", action="store_true",
                      help="run the collected tests in reverse order (to find tests that depend on earlier ones)")

@@ -19,15 +19,6 @@ from zerotune.compat.paths import DEEPSPEED_MODULES, REFUSED_MODULES, REFUSED_NA
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-@pytest.fixture
-def alias():
-    install_deepspeed_alias()
-    try:
-        yield
-    finally:
-        uninstall_deepspeed_alias()
-
-
 def test_import_zerotune_comm_is_a_module_with_deepspeed_signatures() -> None:
     import inspect
 

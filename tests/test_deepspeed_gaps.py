@@ -14,20 +14,9 @@ from torch import nn
 import zerotune
 from tests.harness import run_distributed
 from tests.models import make_gpt2, make_mlp, mlp_batch
-from zerotune.compat import install_deepspeed_alias
-from zerotune.compat.alias import uninstall_deepspeed_alias
 from zerotune.config import ConfigError, load_config
 from zerotune.parallel import activation_checkpointing as ac
 from zerotune.parallel.activation_checkpointing import checkpoint_blocks_at_initialize, checkpointed_module_names
-
-
-@pytest.fixture
-def alias():
-    install_deepspeed_alias()
-    try:
-        yield
-    finally:
-        uninstall_deepspeed_alias()
 
 
 def test_dotted_top_level_keys_go_into_their_sections() -> None:
