@@ -101,6 +101,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
             from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
 
             optimizer.parameter_offload = DeepSpeedZeRoOffload(module, state.grad_sync)
+        if optimizer is not None:  # DeepSpeed's fp16/ZeRO optimizers' flag, read by DeepSpeed-Chat: the last step
+            optimizer.overflow = False  # overflowed and was skipped (kept by _model_step)
         self.client_optimizer = client_optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler
@@ -179,6 +181,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         scale_before = self.loss_scaler.loss_scale
         self.loss_scaler.update_scale(overflow)
         self._step_applied = not overflow
+        if self.optimizer is not None:
+            self.optimizer.overflow = overflow
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         if self.compressor is not None:

@@ -18,6 +18,22 @@ class EngineQueries:
     """Mixed into ``Engine``; relies on its ``env``, ``mesh``, ``policy``, ``state``, ``optimizer``,
     ``client_optimizer``, ``loss_scaler``, ``module`` and ``_config`` attributes."""
 
+    def __getattr__(self, name: str) -> Any:
+        """DeepSpeed's pass-through: a name the engine does not have is looked up on the wrapped model, so
+        ``engine.model`` (an HF model's backbone), ``engine.forward_value(...)`` or
+        ``engine.gradient_checkpointing_enable()`` reach the module (DeepSpeed-Chat relies on it)."""
+        try:
+            return super().__getattr__(name)  # torch's: parameters, buffers, submodules
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is None or name.startswith("__"):
+                raise
+        try:
+            return getattr(module, name)
+        except AttributeError:
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}', nor has its "
+                                 f"module ({type(module).__name__})") from None
+
     @property
     def sparse_tensor_module_names(self) -> set[str]:
         """DeepSpeed's embedding modules whose gradients it reduces as sparse tensors: none here, every gradient is

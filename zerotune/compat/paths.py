@@ -60,6 +60,7 @@ _TENSOR_FRAGMENT = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "saf
                     "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
                     "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad",
                     "safe_set_local_grad")
+_COMPRESSION = "the compression library (deepspeed.compression)"
 _KERNEL_INJECTION = "inference kernel injection (init_inference splits with AutoTP and runs the model's own modules)"
 _MODULE_INJECT_REFUSED = {
     "replace_transformer_layer": _KERNEL_INJECTION, "revert_transformer_layer": _KERNEL_INJECTION,
@@ -175,6 +176,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.inference.config": Mapped("zerotune.compat.inference", ("DeepSpeedInferenceConfig", "DeepSpeedTPConfig")),
     "deepspeed.module_inject": Mapped("zerotune.compat.module_inject", ("AutoTP", *_MODULE_INJECT_REFUSED)),
     "deepspeed.module_inject.auto_tp": Mapped("zerotune.compat.module_inject", ("AutoTP",)),
+    # the dotted-path helpers DeepSpeed-Chat's LoRA imports; the compression library itself refused
+    "deepspeed.compression": Mapped("zerotune.compat.compression", ("init_compression", "redundancy_clean")),
+    "deepspeed.compression.helper": Mapped("zerotune.compat.compression", ("recursive_getattr", "recursive_setattr")),
 }
 
 REFUSED_MODULES: dict[str, str] = {
@@ -188,8 +192,9 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.moe.sharded_moe": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.ops.sparse_attention": "sparse attention (deepspeed.ops.sparse_attention)",
     "deepspeed.ops.transformer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
-    "deepspeed.compression": "the compression library (deepspeed.compression)",
-    "deepspeed.compression.compress": "the compression library (deepspeed.compression)",
+    "deepspeed.compression.compress": _COMPRESSION,
+    "deepspeed.compression.basic_layer": _COMPRESSION,
+    "deepspeed.compression.scheduler": _COMPRESSION,
     "deepspeed.runtime.data_pipeline.data_sampling": "the data efficiency library's data sampler and offline data "
                                                      "analyzer (the data_efficiency curriculum runs on the engine's "
                                                      "data loader instead)",
@@ -203,6 +208,8 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "DeepSpeed's fp16 optimizer wrapper (zerotune's "
                                                                       "mixed precision lives in the engine)",
     "deepspeed.moe.layer.MoE": "Mixture-of-Experts layers (deepspeed.moe)",
+    "deepspeed.compression.init_compression": _COMPRESSION,
+    "deepspeed.compression.redundancy_clean": _COMPRESSION,
     **{f"deepspeed.module_inject.{name}": feature for name, feature in _MODULE_INJECT_REFUSED.items()},
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",

@@ -124,7 +124,7 @@ def normalize_keys(raw: Mapping[Any, Any], cls: type[Section], prefix: str,
     for key, value in raw.items():
         path = join(prefix, _printable(key))
         if key in cls.NO_EFFECT:
-            _accept_no_effect(path, value, cls.NO_EFFECT[key], notes)
+            _accept_no_effect(path, value, cls.NO_EFFECT[key], notes, cls.FEATURES.get(key))
             continue
         name = cls.ALIASES.get(key, key)
         if name in cls.UNSUPPORTED:
@@ -138,13 +138,16 @@ def normalize_keys(raw: Mapping[Any, Any], cls: type[Section], prefix: str,
     return result
 
 
-def _accept_no_effect(path: str, value: Any, rule: tuple[Any, str, str], notes: list[tuple[str, str]]) -> None:
-    """Accept a DeepSpeed key zerotune does not model when its value changes nothing here; refuse it otherwise."""
+def _accept_no_effect(path: str, value: Any, rule: tuple[Any, str, str], notes: list[tuple[str, str]],
+                      feature: str | None = None) -> None:
+    """Accept a DeepSpeed key zerotune does not model when its value changes nothing here; refuse it otherwise
+    (naming the ``feature`` behind the key when the section describes it)."""
     changes_nothing, accepted, reason = rule
     if changes_nothing is not None and not changes_nothing(value):
         key = path.rsplit(".", 1)[-1]
         kind = "block" if isinstance(value, Mapping) else "key"
-        raise NotSupportedError(path, f"'{key}' is a DeepSpeed feature zerotune does not support; remove the {kind} "
+        named = f"'{key}' ({feature})" if feature else f"'{key}'"
+        raise NotSupportedError(path, f"{named} is a DeepSpeed feature zerotune does not support; remove the {kind} "
                                       f"(accepted only as {accepted}, which has no effect)")
     notes.append((path, f"no effect here: {reason}"))
 

@@ -87,6 +87,10 @@ class ZeroTuneConfig(Section):
     ALIASES: ClassVar[dict[str, str]] = {"bfloat16": "bf16"}
     UNSUPPORTED: ClassVar[frozenset[str]] = UNSUPPORTED_BLOCKS
     NO_EFFECT: ClassVar[dict[str, NoEffect]] = _NO_EFFECT_TOP
+    FEATURES: ClassVar[dict[str, str]] = {
+        "hybrid_engine": "DeepSpeed's Hybrid Engine, DeepSpeed-Chat's --enable_hybrid_engine: inference kernels for "
+                         "generate() inside a training engine; without it generate() runs the model's own modules",
+    }
     NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
         "zero_allow_untested_optimizer": "every torch optimizer runs on the shards (Lamb is refused at stages 1-3)",
     }

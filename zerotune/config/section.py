@@ -28,6 +28,8 @@ class Section(BaseModel):
     # DeepSpeed keys of this block zerotune accepts without modelling them, because for the
     # values the predicate allows they would change nothing here; other values are refused.
     NO_EFFECT: ClassVar[dict[str, NoEffect]] = {}
+    # What the feature behind a refused key is, in words, for its refusal (the key alone can be cryptic).
+    FEATURES: ClassVar[dict[str, str]] = {}
     # Modelled fields that nothing in zerotune reads (any value), with the reason: reported by
     # ``zerotune check`` and logged by ``initialize`` when a config sets them.
     NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {}

@@ -116,6 +116,27 @@ class UnitScheduler:
                 lambda m, a, k, u=unit: self._pre_forward(u, a, k), with_kwargs=True))
             self.forward_hooks.append(unit.module.register_forward_hook(
                 lambda m, a, o, u=unit: self._post_forward(u, o)))
+        root = self.units[0] if self.units and self.units[0].is_root else None
+        if root is not None:  # the modules holding the root unit's parameters (embeddings, final norm, heads)
+            held = {id(p) for p in root.params}
+            for module in root.module.modules():
+                if module is not root.module and any(id(p) in held for p in module.parameters(recurse=False)):
+                    self.forward_hooks.append(module.register_forward_pre_hook(
+                        lambda m, a, u=root: self._enter_root_below_forward(u)))
+
+    def _enter_root_below_forward(self, root: ParamUnit) -> None:
+        """A module holding root-unit parameters runs while that unit is released: the model was entered below
+        its forward -- a method other than ``forward`` (DeepSpeed-Chat's reward model ``forward_value``) or a
+        submodule called directly. Gather the root unit as the root's forward would (every rank runs the same
+        code, as with DeepSpeed's per-module hooks) and restart the forward order; it stays gathered until the
+        end of backward or the next step, instead of the module computing with placeholders."""
+        if root.gathered:
+            return
+        if not _in_backward():
+            self._forward_cursor = 1
+        root.start_gather()
+        self._prefetch(self.units, 1, live=sum(u.numel for u in self.units if u.live))
+        root.finish_gather()
 
     def detach_forward_hooks(self) -> None:
         """Remove the units' forward hooks: a forward then gathers and releases nothing and records nothing for
