@@ -86,7 +86,7 @@ def test_api_surface_script() -> None:
         assert row["members"] == ["adamw", False, 1.0, True, True, 2]
         assert row["backward_returns"] and row["steps"] == 2 and row["hooked"] == [1, 2]
         assert row["samples_per_sec"] and row["gas"] == 4 and row["eval"]
-        assert row["no_sync"] == "engine.no_sync() is incompatible with ZeRO stage 3"
+        assert row["no_sync"] == "engine.no_sync(): no_sync context manager is incompatible with ZeRO stage 3"
         assert row["refused"] == ("deepspeed.DeepSpeedTransformerLayer: the fused transformer kernel "
                                   "(DeepSpeedTransformerLayer) is a DeepSpeed feature zerotune does not support")
 
