@@ -8,7 +8,7 @@
 #   TOOL VERSION: ZeRO 2 <ok|FAILED: why|MISMATCH: ...> | ZeRO 3 <...> | max rel loss diff vs non-DeepSpeed R (methods)
 #   TOOL VERSION: NOT INSTALLABLE: <the pin that conflicts with this environment / zerotune's bounds>
 #
-#   scripts/ecosystem_check.sh [--fresh] TOOL...        TOOL: trl, ray, llamafactory, axolotl
+#   scripts/ecosystem_check.sh [--fresh] TOOL...        TOOL: trl, ray, llamafactory, axolotl, lightning, accelerate
 #
 # The tool's version is the registry's pin below; TOOL_VERSION=latest (e.g. TRL_VERSION=latest) or
 # TRL_VERSION=1.15.0 picks another. The tool is installed with --no-deps; what `pip check` then finds
@@ -29,6 +29,8 @@ declare -A REGISTRY=(
   [ray]="ray 2.60.0"
   [llamafactory]="llamafactory 0.9.5"
   [axolotl]="axolotl 0.19.0"
+  [lightning]="lightning 2.6.6"
+  [accelerate]="accelerate 1.16.0"
 )
 # Never installed into a tool's venv, whatever it asks for (heavy, CUDA-bound, or what zerotune stands in for).
 NEVER='^(torch|torchvision|torchaudio|triton|deepspeed|vllm|xformers|flash[-_]attn|bitsandbytes|nvidia-.*|liger[-_]kernel)$'

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from .errors import ConfigError
+from .errors import BatchSizeError, ConfigError
 
 TBS = "train_batch_size"
 MICRO = "train_micro_batch_size_per_gpu"
@@ -40,7 +40,7 @@ def solve_batch(
         )
     if tbs is not None and micro is not None and gas is not None:
         if tbs != micro * gas * dp:
-            raise ConfigError(
+            raise BatchSizeError(
                 TBS, f"{TBS} {tbs} != {MICRO} {micro} * {GAS} {gas} * data-parallel size {dp} = {micro * gas * dp}"
             )
         return BatchSizes(tbs, micro, gas)
@@ -61,5 +61,5 @@ def solve_batch(
 def _divide(tbs: int, divisor: int, divisor_text: str) -> int:
     if tbs % divisor != 0:
         product = f" = {divisor}" if "*" in divisor_text else ""
-        raise ConfigError(TBS, f"{TBS} {tbs} is not divisible by {divisor_text}{product}")
+        raise BatchSizeError(TBS, f"{TBS} {tbs} is not divisible by {divisor_text}{product}")
     return tbs // divisor

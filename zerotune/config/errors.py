@@ -33,3 +33,9 @@ class NotSupportedError(ConfigError):
 
 class NotSupportedYetError(ConfigError):
     """A modelled feature the engine does not implement yet (e.g. ZeRO stage 3)."""
+
+
+class BatchSizeError(ConfigError, AssertionError):
+    """train_batch_size, the micro batch, accumulation and the data-parallel size do not fit together. Also an
+    ``AssertionError``: DeepSpeed's batch check (``DeepSpeedConfig._batch_assertion``) is an assert, so code
+    written against DeepSpeed catches that."""
