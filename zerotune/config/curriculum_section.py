@@ -61,6 +61,14 @@ class CurriculumScheduleConfig(Section):
     max_step: Optional[list[PosInt]] = None
     """fixed_discrete: the last step of each difficulty but the last (one value fewer than difficulty)."""
 
+    @field_validator("difficulty", "max_step")
+    @classmethod
+    def _not_empty(cls, value: Optional[list[int]]) -> Optional[list[int]]:
+        if value is not None and not value:
+            raise ValueError("an empty list schedules nothing; list at least one value (as DeepSpeed requires), or "
+                             "leave the key out")
+        return value
+
 
 class CurriculumSchedule(Section):
     """What every curriculum has: a difficulty range and the schedule that walks it (DeepSpeed's
@@ -96,8 +104,6 @@ class CurriculumSchedule(Section):
     def _discrete_steps_fit(cls, value: CurriculumScheduleConfig, info: ValidationInfo) -> CurriculumScheduleConfig:
         if info.data.get("schedule_type") != "fixed_discrete" or value.difficulty is None or value.max_step is None:
             return value
-        if not value.difficulty:
-            raise ValueError("difficulty must list at least one difficulty")
         if len(value.difficulty) != len(value.max_step) + 1:
             raise ValueError(f"difficulty needs exactly one value more than max_step (the last difficulty holds "
                              f"after the last max_step); got {len(value.difficulty)} and {len(value.max_step)}")
