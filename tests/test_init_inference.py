@@ -20,6 +20,16 @@ from tests.models import make_bert, make_gpt2, make_llama
 from zerotune.config import ConfigError
 from zerotune.inference import InferenceConfig, InferenceEngine, init_inference
 
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_process_group_left_behind():
+    """init_inference in this process (a world of one) starts a process group, as initialize does; later tests
+    (zerotune plan's fake groups) need none, so the module ends the one it started."""
+    started_here = not torch.distributed.is_initialized()
+    yield
+    if started_here and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
 MAKERS = {"gpt2": make_gpt2, "llama": make_llama, "bert": make_bert}
 PROMPT = torch.tensor([[5, 17, 42, 8, 77, 3], [60, 1, 9, 33, 12, 90]])
 
