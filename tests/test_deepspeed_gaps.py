@@ -173,3 +173,33 @@ def test_engine_members_deepspeeds_checkpoint_tests_compare() -> None:
     from zerotune.engine_queries import EngineQueries
 
     assert EngineQueries.sparse_tensor_module_names.fget(None) == set()  # dense gradients: no sparse modules
+
+
+def _tags_and_dirs() -> list[str]:
+    """What DeepSpeed's checkpoint tests expect: different tags under tag_validation Fail raise an AssertionError
+    on every rank, and an empty save directory is a ValueError (not a save into the working directory)."""
+    rank = torch.distributed.get_rank()
+    model = make_mlp()
+    config = {"train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+              "checkpoint": {"tag_validation": "FAIL"}}
+    engine, *_ = zerotune.initialize(model=model, model_parameters=model.parameters(), config=config)
+    caught = []
+    try:
+        for save_dir, tag in (("/tmp/unused-by-this-test", f"tag-{rank}"), ("", None)):
+            try:
+                engine.save_checkpoint(save_dir=save_dir, tag=tag)
+            except (AssertionError, ValueError) as error:
+                caught.append(f"{type(error).__name__}: {error}")
+    finally:
+        engine.destroy()
+    return caught
+
+
+def test_checkpoint_tag_mismatch_and_empty_directory_are_the_errors_deepspeed_raises(alias) -> None:
+    import deepspeed
+
+    for tag_error, dir_error in run_distributed(_tags_and_dirs, 2, timeout=120):
+        assert tag_error.startswith("CheckpointTagMismatch: ranks passed different checkpoint tags: ['tag-0', 'tag-1']")
+        assert dir_error.startswith("ValueError: engine.save_checkpoint() needs a directory")
+    with pytest.raises(deepspeed.DeepSpeedConfigError, match="checkpoint.tag_validation"):
+        load_config({"checkpoint": {"tag_validation": "foo"}})

@@ -274,7 +274,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
 
     # ---- checkpoints ---------------------------------------------------------------------
     def _checkpoint_dir(self, given: str | None, method: str) -> str:
-        if given is not None:
+        if given is not None and str(given) != "":
             return str(given)
         if self._config.checkpoint.save_dir:
             return self._config.checkpoint.save_dir

@@ -41,6 +41,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, damaged or does not fit this run; the message names the file."""
 
 
+class CheckpointTagMismatch(CheckpointError, AssertionError):
+    """Ranks saved under different tags with ``checkpoint.tag_validation`` Fail. Also an AssertionError, which is
+    what DeepSpeed raises there, so code catching that keeps working."""
+
+
 # Every filesystem mutation of a save goes through this hook, so tests can crash a save between any
 # two operations (``set_crash_hook``) and check that what is left always loads.
 _crash_hook: Callable[[str], None] | None = None

@@ -17,6 +17,7 @@ import torch
 
 from zerotune.checkpoint.atomic import (
     CheckpointError,
+    CheckpointTagMismatch,
     check_tag,
     partial_dir,
     prepare_partial_dir,
@@ -71,7 +72,7 @@ def _agreed_tag(engine: Engine, tag: str) -> str:
         policy = engine._config.checkpoint.tag_validation
         message = f"ranks passed different checkpoint tags: {tags}"
         if policy == "Fail":
-            raise CheckpointError(f"{message} (checkpoint.tag_validation is Fail)")
+            raise CheckpointTagMismatch(f"{message} (checkpoint.tag_validation is Fail)")
         if policy == "Warn":
             log_rank0("%s; saving every rank under rank 0's tag '%s' (checkpoint.tag_validation: Warn)", message,
                       tags[0], rank=engine.global_rank, level=logging.WARNING)

@@ -8,7 +8,7 @@ from zerotune.compat.accelerator import get_accelerator
 from zerotune.compat.alias import DEEPSPEED_VERSION
 from zerotune.compat.lr_schedules import add_tuning_arguments
 from zerotune.compat.refusals import refused_class
-from zerotune.compat.runtime import DeepSpeedConfig, DeepSpeedEngine
+from zerotune.compat.runtime import DeepSpeedConfig, DeepSpeedConfigError, DeepSpeedEngine
 from zerotune.distributed.env import init_distributed
 from zerotune.inference import InferenceConfig as DeepSpeedInferenceConfig
 from zerotune.inference import InferenceEngine, init_inference
@@ -25,7 +25,8 @@ DeepSpeedTransformerConfig = refused_class("deepspeed.DeepSpeedTransformerConfig
 
 __all__ = [
     "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
-    "PipelineEngine", "DeepSpeedConfig", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator", "utils",
+    "PipelineEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "zero", "comm", "checkpointing", "pipe", "ops",
+    "accelerator", "utils",
     "runtime", "get_accelerator", "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
     "InferenceEngine", "DeepSpeedInferenceConfig",
 ]

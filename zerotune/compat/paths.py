@@ -75,7 +75,7 @@ _MODULE_INJECT_REFUSED = {
 DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed": Mapped("zerotune.compat.deepspeed", (
         "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
-        "PipelineEngine", "DeepSpeedConfig", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator",
+        "PipelineEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator",
         "utils", "runtime", "get_accelerator", "__version__", "__version_major__", "__version_minor__", "__version_patch__",
         "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "InferenceEngine",
         "DeepSpeedInferenceConfig")),
@@ -102,7 +102,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine", "DeepSpeedConfig", "zero", "pipe",
                                                             "lr_schedules", "utils")),
     "deepspeed.runtime.engine": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine",)),
-    "deepspeed.runtime.config": Mapped("zerotune.compat.runtime", ("DeepSpeedConfig",)),
+    "deepspeed.runtime.config": Mapped("zerotune.compat.runtime", ("DeepSpeedConfig", "DeepSpeedConfigError")),
     "deepspeed.runtime.utils": Mapped("zerotune.compat.runtime", ("set_random_seed", "see_memory_usage")),
     "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
     "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (

@@ -10,11 +10,12 @@ import torch.distributed as dist
 
 from zerotune.compat import lr_schedules, pipe, zero
 from zerotune.compat.utils import RepeatingLoader, set_random_seed
+from zerotune.config import ConfigError as DeepSpeedConfigError
 from zerotune.config import load_config, resolve_config
 from zerotune.engine import Engine as DeepSpeedEngine
 from zerotune.monitor.logging import get_logger
 
-__all__ = ["DeepSpeedEngine", "DeepSpeedConfig", "RepeatingLoader", "set_random_seed", "see_memory_usage", "zero",
+__all__ = ["DeepSpeedEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "RepeatingLoader", "set_random_seed", "see_memory_usage", "zero",
            "pipe", "lr_schedules", "utils"]
 
 # deepspeed.runtime.{engine, config, utils, dataloader} are all this module under the alias.
