@@ -87,10 +87,18 @@ def test_unknown_key_at_any_depth(section, key, value):
     _expect_config_error(lambda: load_config(config), f"{path}.{shown}" if path else shown)
 
 
+def _scalar_list(annotation) -> bool:
+    """A list of numbers (``Optional`` unwrapped), where a list of integers is a good value."""
+    lists = [a for a in (annotation, *typing.get_args(annotation)) if typing.get_origin(a) is list]
+    return bool(lists) and section_class(typing.get_args(lists[0])[0]) is None
+
+
 def _bad_value(annotation):
     is_list = typing.get_origin(annotation) is list  # an empty list is a good value for a list of sections
+    items = st.dictionaries(st.text(max_size=4), st.integers(), min_size=1, max_size=2) \
+        if _scalar_list(annotation) else st.integers()
     junk = st.one_of(
-        st.lists(st.integers(), min_size=1 if is_list else 0, max_size=3),
+        st.lists(items, min_size=1 if is_list else 0, max_size=3),
         st.dictionaries(st.text(max_size=4), st.integers(), min_size=1, max_size=2),
     )
     if _accepts_strings(annotation):
