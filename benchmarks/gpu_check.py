@@ -22,8 +22,8 @@ Needs nothing prepared (random weights, no hub): world size 1 with NCCL, then
    code keeps off CPU, unchanged on this GPU (benchmarks/gpu_ecosystem.py; skipped where not installed).
 
 Targets (issue 19): bf16 MFU >= 45% for full fine-tuning at ZeRO 0, ZeRO 3 throughput >= 0.95 x ZeRO 0 at world
-size 1. Without CUDA it says so and exits 2; its CUDA-free parts (the FLOP count, MFU, the verdicts, the
-table) are tested in tests/test_gpu_check.py.
+size 1. Without CUDA it says so and exits 2; its CUDA-free parts (benchmarks/gpu_report.py: the FLOP count, MFU,
+the verdicts, the table) are tested in tests/test_gpu_check.py.
 """
 
 from __future__ import annotations
@@ -31,84 +31,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
-FP32_TOLERANCE, MIXED_TOLERANCE = 1e-5, 3e-2
+from benchmarks.gpu_report import (  # noqa: E402  (the repository root is on the path only now)
+    FP32_TOLERANCE,
+    MIXED_TOLERANCE,
+    Row,
+    flops_per_token,
+    mfu,
+    parity_row,
+    peak_tflops_for,
+    relative_difference,
+    render,
+    throughput_verdicts,
+)
+
 LLAMA_1B = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 16, "num_attention_heads": 32,
             "num_key_value_heads": 32, "vocab_size": 32000}
-
-
-# ---- CUDA-free parts (tested on CPU) -----------------------------------------------------------------
-def flops_per_token(multiplied_params: int, layers: int, hidden: int, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward), PaLM's appendix B: 6 N for the weights plus 12 L H S for
-    attention's score and value products; recomputation is not model FLOPs."""
-    return 6.0 * multiplied_params + 12.0 * layers * hidden * seq_len
-
-
-def mfu(tokens_per_s: float, per_token: float, peak_flops: float) -> float:
-    return tokens_per_s * per_token / peak_flops
-
-
-def peak_tflops_for(device_name: str, given: float | None) -> float:
-    if given is not None:
-        return given
-    return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in device_name), 989.0)
-
-
-def relative_difference(ours: list[float], reference: list[float]) -> float:
-    """The largest |a - b| / |b| over the steps (inf when a loss is not finite or a step is missing)."""
-    if len(ours) != len(reference) or not all(math.isfinite(x) for x in ours):
-        return math.inf
-    return max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(ours, reference))
-
-
-@dataclass
-class Row:
-    section: str
-    name: str
-    verdict: str = ""
-    figures: dict = field(default_factory=dict)
-
-
-def parity_row(name: str, ours: list[float], reference: list[float], tolerance: float) -> Row:
-    difference = relative_difference(ours, reference)
-    return Row("parity", name, "pass" if difference <= tolerance else "FAIL",
-               {"max rel. loss difference": difference, "tolerance": tolerance, "losses": ours})
-
-
-def throughput_verdicts(rows: list[Row]) -> list[str]:
-    """The issue's targets from the throughput rows: MFU of full fine-tuning at ZeRO 0, and ZeRO 3 / ZeRO 0."""
-    by_name = {row.name: row.figures for row in rows if row.section == "throughput" and "tokens/s" in row.figures}
-    lines = []
-    for ckpt in ("ckpt on", "ckpt off"):
-        zero0, zero3 = by_name.get(f"full, ZeRO 0, {ckpt}"), by_name.get(f"full, ZeRO 3, {ckpt}")
-        if zero0:
-            lines.append(f"full fine-tuning, ZeRO 0, {ckpt}: MFU {zero0['MFU']:.1%} (target >= 45%: "
-                         f"{'met' if zero0['MFU'] >= 0.45 else 'NOT met'})")
-        if zero0 and zero3:
-            ratio = zero3["tokens/s"] / zero0["tokens/s"]
-            lines.append(f"ZeRO 3 / ZeRO 0 throughput, {ckpt}: {ratio:.3f} (target >= 0.95: "
-                         f"{'met' if ratio >= 0.95 else 'NOT met'})")
-    return lines
-
-
-def render(rows: list[Row]) -> str:
-    lines = ["| section | run | verdict | figures |", "|---|---|---|---|"]
-    for row in rows:
-        shown = {k: v for k, v in row.figures.items() if k != "losses"}
-        text = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
-        lines.append(f"| {row.section} | {row.name} | {row.verdict} | {text} |")
-    return "\n".join(lines + [""] + throughput_verdicts(rows))
 
 
 def engine_config(stage: int, precision: str = "fp32", offload_optimizer: str = "none", offload_param: str = "none",
@@ -386,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     rows += [two_ranks_on_one_gpu()] + throughput(args, device, peak)
     from benchmarks.gpu_ecosystem import ecosystem_rows  # Lightning's and accelerate launch's DeepSpeed paths
 
-    rows += ecosystem_rows(Row, parity_row, FP32_TOLERANCE)
+    rows += ecosystem_rows()
     table = render(rows)
     header = (f"gpu_check on {name} (peak {peak / 1e12:.0f} TFLOP/s bf16), torch {torch.__version__}, "
               f"backend {env.backend}, {time.strftime('%Y-%m-%d')}, {time.time() - started:.0f} s")

@@ -8,8 +8,8 @@ environment: both tools look DeepSpeed up before any process starts).
 - accelerate: ``accelerate launch --config_file`` a ``distributed_type: DEEPSPEED`` file (ZeRO 2, one process)
   with a plain ``Accelerator()`` script: it runs and trains on a zerotune engine.
 
-Each is skipped (verdict "skipped") where the tool is not importable or ``import deepspeed`` finds nothing. Runs in subprocesses: gpu_check's own
-process group stays as it is.
+Each is skipped (verdict "skipped") where the tool is not importable or ``import deepspeed`` finds nothing.
+Runs in subprocesses: gpu_check's own process group stays as it is.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ECOSYSTEM = ROOT / "scripts" / "ecosystem"
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.gpu_report import FP32_TOLERANCE, Row, parity_row  # noqa: E402  (the root is on the path now)
 
 
 def _env() -> dict:
@@ -47,32 +50,33 @@ def _rows(text: str) -> list[dict]:
     return rank_rows(text)
 
 
-def lightning_rows(row_type, parity_row, tolerance: float, steps: int = 3, timeout: int = 300) -> list:
+def lightning_rows(steps: int = 3, timeout: int = 300) -> list[Row]:
     if why := _missing("lightning"):
-        return [row_type("ecosystem", "lightning DeepSpeedStrategy", "skipped", {"why": why})]
+        return [Row("ecosystem", "lightning DeepSpeedStrategy", "skipped", {"why": why})]
     losses, rows = {}, []
     for mode in ("ddp", "zero2", "zero3"):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1", str(ECOSYSTEM / "lightning_case.py"), "--worker", "--mode",
-                   mode, "--steps", str(steps), "--accelerator", "cuda", "--devices", "1"]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "1",
+                   str(ECOSYSTEM / "lightning_case.py"), "--worker", "--mode", mode, "--steps", str(steps),
+                   "--accelerator", "cuda", "--devices", "1"]
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=_env())
         found = _rows(done.stdout) if done.returncode == 0 else []
         if not found or found[0].get("stop"):
             why = found[0]["stop"] if found else (done.stderr.strip().splitlines() or ["?"])[-1]
-            rows.append(row_type("ecosystem", f"lightning {mode}", "ERROR", {"error": str(why)[:200]}))
+            rows.append(Row("ecosystem", f"lightning {mode}", "ERROR", {"error": str(why)[:200]}))
             continue
         losses[mode] = found[0]["losses"]["fit rank 0"]
         if mode != "ddp":
             row = parity_row(f"lightning DeepSpeedStrategy ZeRO {mode[-1]}", losses[mode], losses.get("ddp", []),
-                             tolerance)
+                             FP32_TOLERANCE)
             row.section = "ecosystem"
             row.figures["engine"] = found[0]["engines"].get("fit")
             rows.append(row)
     return rows
 
 
-def accelerate_rows(row_type, steps: int = 3, timeout: int = 300) -> list:
+def accelerate_rows(steps: int = 3, timeout: int = 300) -> list[Row]:
     if why := _missing("accelerate"):
-        return [row_type("ecosystem", "accelerate launch DEEPSPEED", "skipped", {"why": why})]
+        return [Row("ecosystem", "accelerate launch DEEPSPEED", "skipped", {"why": why})]
     sys.path.insert(0, str(ECOSYSTEM))
     os.environ.update({k: v for k, v in _env().items() if k == "PYTHONPATH"})
     from accelerate_case import launch_unchanged
@@ -81,24 +85,21 @@ def accelerate_rows(row_type, steps: int = 3, timeout: int = 300) -> list:
         status, found = launch_unchanged(sys.executable, Path(workdir), steps, 2, timeout, nproc=1, use_cpu=False)
     engine = found[0]["engines"].get("plugin", "") if found else ""
     ok = status == "ran" and engine.startswith("zerotune.")
-    return [row_type("ecosystem", "accelerate launch DEEPSPEED ZeRO 2", "ran" if ok else "ERROR",
+    return [Row("ecosystem", "accelerate launch DEEPSPEED ZeRO 2", "ran" if ok else "ERROR",
                      {"engine": engine, "losses": found[0]["losses"]["plugin"] if found else None,
                       **({} if ok else {"error": status[:200]})})]
 
 
-def ecosystem_rows(row_type, parity_row, tolerance: float) -> list:
+def ecosystem_rows() -> list[Row]:
     """gpu_check's rows for this section; an error in one tool is a row, the rest still runs."""
     rows = []
-    for part in (lambda: lightning_rows(row_type, parity_row, tolerance), lambda: accelerate_rows(row_type)):
+    for part in (lightning_rows, accelerate_rows):
         try:
             rows += part()
         except Exception as error:  # noqa: BLE001 - reported as a row
-            rows.append(row_type("ecosystem", "ecosystem", "ERROR", {"error": f"{type(error).__name__}: {error}"[:200]}))
+            rows.append(Row("ecosystem", "ecosystem", "ERROR", {"error": f"{type(error).__name__}: {error}"[:200]}))
     return rows
 
 
 if __name__ == "__main__":  # on its own: python benchmarks/gpu_ecosystem.py
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.gpu_check import FP32_TOLERANCE, Row, parity_row
-
-    print(json.dumps([vars(row) for row in ecosystem_rows(Row, parity_row, FP32_TOLERANCE)], indent=1, default=str))
+    print(json.dumps([vars(row) for row in ecosystem_rows()], indent=1, default=str))

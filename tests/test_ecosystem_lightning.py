@@ -46,10 +46,9 @@ def test_gpu_checks_ecosystem_section_skips_tools_that_are_not_installed(monkeyp
     import importlib.util
 
     from benchmarks import gpu_ecosystem
-    from benchmarks.gpu_check import FP32_TOLERANCE, Row, parity_row
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: None if name in ("lightning", "accelerate") else real(name, *a))
-    rows = gpu_ecosystem.ecosystem_rows(Row, parity_row, FP32_TOLERANCE)
+    rows = gpu_ecosystem.ecosystem_rows()
     assert [(row.section, row.verdict) for row in rows] == [("ecosystem", "skipped")] * 2
