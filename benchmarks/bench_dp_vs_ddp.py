@@ -3,7 +3,7 @@
     python benchmarks/bench_dp_vs_ddp.py            # 2 gloo ranks on CPU (CUDA/NCCL when present)
     python benchmarks/bench_dp_vs_ddp.py --world 1  # single-device mode (e.g. one GPU)
 
-Workload (as in shared/REFERENCE.md): random-init GPT-2, 4 layers, width 256, vocab 8192,
+Workload: random-init GPT-2, 4 layers, width 256, vocab 8192,
 sequence 128, micro-batch 4 per rank, AdamW, fp32, no clipping, one thread per rank.
 
 Timing: both methods live in the same rank processes and their steps are interleaved
@@ -197,7 +197,7 @@ def run_phase(phase: str, args: argparse.Namespace) -> list[dict]:
 
 
 def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The workload knobs every benchmark of this family shares (REFERENCE.md's GPT-2 setup by default)."""
+    """The workload knobs every benchmark of this family shares (the module docstring's GPT-2 workload by default)."""
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
@@ -212,7 +212,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse.Argument
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     args = add_workload_arguments(parser).parse_args()
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # RSS then tracks live memory (REFERENCE.md)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # RSS then tracks live memory (freed blocks go back to the OS)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
 
     per_rank = run_phase("time", args)

@@ -4,7 +4,7 @@
     python benchmarks/bench_zero12.py --methods ddp,stage1,stage2  # a subset
     python benchmarks/bench_zero12.py --steps 4 --warmup 1         # smoke test
 
-Workload (as in shared/REFERENCE.md and bench_dp_vs_ddp.py): random-init GPT-2, 4 layers, width 256,
+Workload (as in bench_dp_vs_ddp.py): random-init GPT-2, 4 layers, width 256,
 vocab 8192, sequence 128, micro-batch 4 per rank, AdamW, fp32, no clipping, one thread per rank.
 
 Timing: every method is built in the same rank processes and their steps are interleaved in a
@@ -352,7 +352,7 @@ def parse_and_run(parser: argparse.ArgumentParser,
     args = parser.parse_args()
     if args.steps < 1 or args.world < 1:
         parser.error(f"--steps and --world must be >= 1 (got --steps {args.steps}, --world {args.world})")
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # as bench_dp_vs_ddp.py (REFERENCE.md)
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # as bench_dp_vs_ddp.py: RSS then tracks live memory
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     report_fn(run_ranks(args, builder), args, model_numel(args))
 
