@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import drive, failure_line, print_row, progress, summarize  # noqa: E402
+from common import case_parser, drive, failure_line, print_row, progress, summarize  # noqa: E402
 
 METHODS = ("plugin",)
 DEEPSPEED_YAML = """compute_environment: LOCAL_MACHINE
@@ -166,16 +166,9 @@ def line(summary: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help="(internal) one rank of one mode")
-    parser.add_argument("--mode", default="ddp")
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--timeout", type=int, default=600, help="seconds per mode")
+    parser = case_parser(__doc__, METHODS)
     parser.add_argument("--real-deepspeed", default=os.environ.get("REAL_DEEPSPEED_PYTHON"),
                         help="a Python whose `import deepspeed` is DeepSpeed itself, for (a)")
-    parser.add_argument("--line", action="store_true", help="print the one-line summary instead of JSON")
     args = parser.parse_args()
     if args.worker:
         worker(args)

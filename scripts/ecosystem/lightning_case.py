@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import drive, print_row, progress, summarize  # noqa: E402
+from common import case_parser, drive, print_row, progress, summarize  # noqa: E402
 
 METHODS = ("fit",)
 BATCH, SAMPLES = 4, 32
@@ -160,16 +160,9 @@ def line(summary: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help="(internal) one rank of one mode")
-    parser.add_argument("--mode", default="ddp")
-    parser.add_argument("--out", default=None)
+    parser = case_parser(__doc__, METHODS)
     parser.add_argument("--accelerator", default="cpu", help="(worker) the Trainer's; cuda: benchmarks/gpu_ecosystem.py")
     parser.add_argument("--devices", type=int, default=2, help="(worker) the Trainer's")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--timeout", type=int, default=600, help="seconds per mode")
-    parser.add_argument("--line", action="store_true", help="print the one-line summary instead of JSON")
     args = parser.parse_args()
     if args.worker:
         worker(args)

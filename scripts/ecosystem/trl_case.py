@@ -14,13 +14,11 @@ defaults stay (gradient checkpointing on; at ZeRO 3 the policy and reference mod
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import deepspeed_config, drive, make_tiny_llama, print_row, progress, summarize  # noqa: E402
+from common import case_parser, deepspeed_config, drive_and_print, make_tiny_llama, print_row, progress  # noqa: E402
 
 METHODS = ("sft", "dpo", "grpo")
 
@@ -111,32 +109,18 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", action="store_true", help="(internal) one rank of one mode")
-    parser.add_argument("--mode", default="ddp")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--methods", default=",".join(METHODS))
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--workdir", default=None)
-    parser.add_argument("--timeout", type=int, default=900, help="seconds per mode")
-    parser.add_argument("--line", action="store_true", help="print the one-line summary instead of JSON")
-    args = parser.parse_args()
+    args = case_parser(__doc__, METHODS).parse_args()
     if args.worker:
         worker(args)
         return
 
     import trl
 
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="zerotune-trl-"))
-    methods = tuple(args.methods.split(","))
-
     def prepare(directory: Path) -> list[str]:
         model = make_tiny_llama(directory / "tiny-llama")
         return ["--model", str(model), "--methods", args.methods, "--steps", str(args.steps)]
 
-    summary = drive("trl", trl.__version__, Path(__file__).resolve(), methods, prepare, workdir, args.timeout)
-    print(summarize(summary) if args.line else json.dumps(summary))
+    drive_and_print("trl", trl.__version__, args, Path(__file__).resolve(), tuple(args.methods.split(",")), prepare)
 
 
 if __name__ == "__main__":
