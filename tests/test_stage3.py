@@ -7,6 +7,8 @@ the adapters' gradients are done), peft LoRA on GPT-2, and the default persisten
 
 from __future__ import annotations
 
+import warnings
+
 from pathlib import Path
 
 import pytest
@@ -238,19 +240,34 @@ def test_pretrained_weights_load_per_slice_and_save_16bit_model_round_trips(tmp_
 def _save_without_flag(target: str) -> dict:
     engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config(2))
     saved = engine.save_16bit_model(target)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state = engine.module.state_dict()
+    fresh = make_gpt2()
     try:
-        engine.module.state_dict()
-        error = ""
-    except RuntimeError as caught:
-        error = str(caught)
+        fresh.load_state_dict(state)
+        load_error = ""
+    except RuntimeError as error:
+        load_error = str(error)
+    partitioned = {name for name, p in engine.module.named_parameters(remove_duplicate=False) if p.ds_numel != p.ds_tensor.numel()
+                   or p.stride() == (0,) * p.dim()}
+    result = {"saved": saved, "warnings": [str(w.message) for w in caught], "load_error": load_error,
+              "empty": sorted(k for k, v in state.items() if v.numel() == 0),
+              "partitioned": sorted(partitioned)}
     engine.destroy()
-    return {"saved": saved, "error": error}
+    return result
 
 
 def test_partitioned_weights_are_not_saved_silently(tmp_path: Path) -> None:
+    """state_dict() of a partitioned model returns DeepSpeed's empty entries (DeepSpeed-Chat saves it, then
+    overwrites the file with gathered weights), warns how to get the values, and what it returns can never
+    be loaded as weights."""
     result = run_distributed(_save_without_flag, 2, str(tmp_path))[0]
     assert result["saved"] is False and not any(tmp_path.iterdir())
-    assert "partitioned by ZeRO stage 3" in result["error"] and "GatheredParameters" in result["error"]
+    assert result["empty"] and set(result["empty"]) == set(result["partitioned"])
+    assert len(result["warnings"]) == 1
+    assert "partitioned by ZeRO stage 3" in result["warnings"][0] and "GatheredParameters" in result["warnings"][0]
+    assert "size mismatch" in result["load_error"]
 
 
 def _modify_under_gathered() -> dict:

@@ -22,6 +22,7 @@ are needed until then); releasing issues no collective, so its timing may differ
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -98,8 +99,9 @@ class UnitScheduler:
         self._late: set[int] = set()     # passed units that got a gradient afterwards
         self._reduced_again: set[int] = set()  # late units whose first reduce is not their final gradient
         self._unit_of = {id(p): u for u in self.units if u.trainable for p in u.trainable.params}
+        self._warned_empty_state_dict = False
         self._hooks = [self.units[0].module.register_state_dict_post_hook(
-            lambda *hook_args: self._refuse_placeholders(*hook_args))] if self.units else []
+            lambda *hook_args: self._empty_placeholders(*hook_args))] if self.units else []
         for unit in self.units:
             if unit.trainable:
                 self._hooks += register_grad_ready_hooks(unit.trainable.params, self._on_grad)
@@ -147,15 +149,25 @@ class UnitScheduler:
             handle.remove()
         self.forward_hooks = []
 
-    def _refuse_placeholders(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-        """``state_dict()`` of a partitioned model would silently hold placeholders instead of weights."""
+    def _empty_placeholders(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        """``state_dict()`` of a partitioned model: each partitioned entry becomes an empty tensor, as DeepSpeed's
+        does (its partitioned ``param.data`` is ``torch.empty(0)``), instead of the stride-0 placeholder that
+        would save as plausible-looking weights. Scripts written for DeepSpeed call it on one rank and then
+        overwrite the file with gathered weights (DeepSpeed-Chat's ``save_hf_format`` + ``save_zero_three_model``),
+        so refusing would stop them; an empty entry cannot be mistaken for a weight: loading it anywhere fails
+        on its shape. The warning says how to get the values."""
         placeholders = {sp.placeholder_ptr for u in self.units for s in u.segments for sp in s.sharded}
-        for key, value in state_dict.items():
-            if not isinstance(value, torch.nn.Parameter) and value.data_ptr() in placeholders:
-                raise RuntimeError(
-                    f"state_dict(): '{key}' is partitioned by ZeRO stage 3 and holds no values here; use "
-                    "engine.save_16bit_model(...) / engine._zero3_consolidated_16bit_state_dict(), or read it "
-                    "inside zerotune.zero.GatheredParameters(...)")
+        emptied = [key for key, value in state_dict.items()
+                   if not isinstance(value, torch.nn.Parameter) and value.data_ptr() in placeholders]
+        for key in emptied:
+            state_dict[key] = torch.empty(0, dtype=state_dict[key].dtype, device=state_dict[key].device)
+        if emptied and not self._warned_empty_state_dict:
+            self._warned_empty_state_dict = True
+            warnings.warn(
+                f"state_dict(): {len(emptied)} entries (first '{emptied[0]}') are partitioned by ZeRO stage 3 "
+                "and hold no values on this rank, so they are returned empty, as DeepSpeed returns them; for the "
+                "weights use engine.save_16bit_model(...) / engine._zero3_consolidated_16bit_state_dict(), or "
+                "read them inside zerotune.zero.GatheredParameters(...)", stacklevel=2)
 
     # ---- forward -------------------------------------------------------------------------
     def _pre_forward(self, unit: ParamUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
