@@ -29,6 +29,11 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
 )
 
 
+def refused_paths() -> frozenset[str]:
+    """The dotted keys this table refuses for some values (what a key-coverage test counts as "refused")."""
+    return frozenset(path for path, _, _ in _RULES)
+
+
 def assert_implemented(cfg: ZeroTuneConfig, *, zero_stages: Iterable[int] = (0,)) -> None:
     """Raise NotSupportedYetError for the first configured feature the engine lacks."""
     stages = tuple(zero_stages)

@@ -152,6 +152,11 @@ class PipelineConfig(Section):
     """``pipeline``: pipeline-parallel layout."""
 
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"use_reentrant", "pipe_partitioned", "grad_partitioned"})
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "seed_layers": "layers are seeded where they are built: PipelineModule(..., seed_layers=True, base_seed=...) "
+                       "seeds layer i with base_seed + i before initialize reads the config, and a Hugging Face "
+                       "model arrives built (DeepSpeed's engine does not read this key either)",
+    }
 
     stages: AutoPosInt = 1
     """Number of pipeline stages; 1 means no pipeline parallelism."""
@@ -318,7 +323,13 @@ class AioConfig(Section):
 
     # DeepSpeed renamed thread_count to intra_op_parallelism (v0.15); both spell the same knob here.
     ALIASES: ClassVar[dict[str, str]] = {"intra_op_parallelism": "thread_count"}
-    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {"use_gds": "GPUDirect Storage is not used (true is refused)"}
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "use_gds": "GPUDirect Storage is not used (true is refused)",
+        "single_submit": "libaio's submission batching: swap-file requests here are positioned reads and writes "
+                         "on a thread pool (thread_count x queue_depth in flight), with nothing to batch",
+        "overlap_events": "libaio's event overlap: each thread-pool request completes on its own, so submitting "
+                          "and waiting always overlap",
+    }
 
     block_size: AutoPosInt = 1048576
     """Bytes per I/O request."""
