@@ -157,6 +157,49 @@ def test_non_mapping_file(tmp_path):
     assert "empty" in str(error_of(empty))
 
 
+def alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """A YAML list whose anchors each repeat the previous one ``width`` times: ``width ** levels`` values."""
+    rows = [f"&a0 [{', '.join(['x'] * width)}]"]
+    rows += [f"&a{i} [{', '.join([f'*a{i - 1}'] * width)}]" for i in range(1, levels)]
+    return f"steps_per_print: [{', '.join(rows)}]\n"
+
+
+def test_yaml_alias_bomb_is_refused_while_loading_naming_file_and_bound(tmp_path):
+    path = tmp_path / "bomb.yaml"
+    path.write_text(alias_bomb())
+    err = error_of(path)
+    assert "bomb.yaml" in str(err) and "100000 values" in str(err) and "aliases" in str(err)
+
+
+def test_recursive_yaml_alias_is_refused(tmp_path):
+    path = tmp_path / "loop.yaml"
+    path.write_text("steps_per_print: &a [1, *a]\n")
+    assert "loop.yaml" in str(error_of(path)) and "refers to" in str(error_of(path))
+
+
+def test_yaml_aliases_within_the_bound_still_load(tmp_path):
+    path = tmp_path / "anchors.yaml"
+    path.write_text("zero_optimization: &z {stage: 1}\ntrain_batch_size: 8\n")
+    assert load_config(path).zero_optimization.stage == 1
+
+
+def test_error_message_shortens_a_huge_value_before_serialising_it():
+    bomb = ["x"] * 9
+    for _ in range(12):  # 9**13 values once expanded; serialising them whole would never finish
+        bomb = [bomb] * 9
+    err = error_of({"steps_per_print": bomb})
+    assert err.path == "steps_per_print" and "[[[[" in str(err) and len(str(err)) < 300
+
+
+def test_oversized_config_file_is_refused_by_size_before_reading(tmp_path, monkeypatch):
+    path = tmp_path / "huge.json"
+    with open(path, "wb") as f:
+        f.truncate(200 * 2**20)  # sparse: 200 MiB on paper, no disk and no time
+    monkeypatch.setattr(Path, "read_text", lambda *a, **k: pytest.fail("read a file it should refuse by size"))
+    err = error_of(path)
+    assert "huge.json" in str(err) and "200.0 MiB" in str(err) and "at most 16 MiB" in str(err)
+
+
 def test_duplicate_json_key(tmp_path):
     path = tmp_path / "dup.json"
     path.write_text('{"train_batch_size": 8, "train_batch_size": 16}')

@@ -147,6 +147,18 @@ def test_scientific_notation_is_a_number_in_recipe_yaml(tmp_path):
     assert (r.train.lr, r.train.weight_decay) == (5e-5, 0.01)
 
 
+def test_yaml_alias_bomb_in_a_recipe_or_an_override_is_refused_naming_the_bound(tmp_path):
+    from tests.test_config import alias_bomb
+
+    path = tmp_path / "bomb.yaml"
+    path.write_text(yaml.safe_dump(recipe()) + alias_bomb().replace("steps_per_print", "notes"))
+    error = error_of(path)
+    assert "recipe file" in str(error) and "bomb.yaml" in str(error) and "100000 values" in str(error)
+    override = "train.lr=" + alias_bomb().split(": ", 1)[1]
+    error = error_of(None, [override])
+    assert error.path == "train.lr" and "100000 values" in str(error)
+
+
 # --- error paths ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("raw, path, words", [

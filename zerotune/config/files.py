@@ -1,7 +1,9 @@
 """Reading a config file (JSON or YAML) into a plain dict.
 
 Every failure names the file; JSON syntax errors also give line and column because
-a misplaced comma in a 60-line ds_config.json is otherwise hard to find.
+a misplaced comma in a 60-line ds_config.json is otherwise hard to find. A file larger than
+:data:`MAX_CONFIG_BYTES` is refused before it is read: a config is a few kilobytes, and parsing a
+200 MB one took 1.2 GiB and half a minute only to fail validation.
 """
 
 from __future__ import annotations
@@ -14,13 +16,19 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .yaml_loader import YamlExpansionError, load_yaml
 
 YAML_SUFFIXES = (".yaml", ".yml")
+MAX_CONFIG_BYTES = 16 * 2**20
 
 
 def read_config_file(source: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse ``source`` as YAML (``.yaml``/``.yml``) or JSON (anything else)."""
     path = Path(source)
+    size = path.stat().st_size if path.is_file() else 0
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError("", f"config file '{path}' is {size / 2**20:.1f} MiB; a config file may be at most "
+                              f"{MAX_CONFIG_BYTES // 2**20} MiB")
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
@@ -67,7 +75,9 @@ def _parse_json(text: str, path: Path) -> Any:
 
 def _parse_yaml(text: str, path: Path) -> Any:
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
+    except YamlExpansionError as exc:
+        raise ConfigError("", f"config file '{path}' is refused: {exc}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""

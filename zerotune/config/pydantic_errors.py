@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from itertools import islice
 from typing import Any
 
 from pydantic import ValidationError
@@ -73,9 +74,40 @@ def _message(error: dict[str, Any]) -> str:
 
 
 def show_value(value: Any, limit: int = 60) -> str:
-    """Compact JSON-ish rendering of a user value for an error message."""
-    try:
-        text = json.dumps(value, default=repr)
-    except (TypeError, ValueError, RecursionError):
-        text = repr(value)
+    """Compact JSON-ish rendering of a user value for an error message, at most ``limit`` characters.
+
+    The value is pruned before it is serialised: a YAML alias bomb is a small graph of shared lists that
+    expands to billions of items, and serialising it whole ran for minutes and gigabytes before the error
+    could be shown.
+    """
+    text = json.dumps(_pruned(value, _PREVIEW_DEPTH, limit), default=lambda o: repr(o)[: limit + 1])
+    text = text.replace(json.dumps(_MORE), "...")
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_PREVIEW_DEPTH = 4  # containers nested deeper are shown as ...; the text is cut at ``limit`` anyway
+_PREVIEW_ITEMS = 8  # items of one container worth serialising
+_MORE = "\x00more"  # marks pruned items, rendered as a bare ... (a config string holding a NUL is implausible)
+_JSON_KEYS = (str, int, float, bool, type(None))
+
+
+def _pruned(value: Any, depth: int, limit: int) -> Any:
+    """A small copy of ``value``: strings cut past ``limit``, containers to a few items and a few levels.
+    Never circular, so ``json.dumps`` cannot fail on it."""
+    if isinstance(value, str):
+        return value[: limit + 1]
+    if isinstance(value, Mapping):
+        if depth == 0:
+            return _MORE
+        items = list(islice(value.items(), _PREVIEW_ITEMS + 1))
+        shown = {(k if isinstance(k, _JSON_KEYS) else repr(k)[: limit + 1]): _pruned(v, depth - 1, limit)
+                 for k, v in items[:_PREVIEW_ITEMS]}
+        if len(items) > _PREVIEW_ITEMS:
+            shown[_MORE] = _MORE
+        return shown
+    if isinstance(value, (list, tuple)):
+        if depth == 0:
+            return [_MORE]
+        items = [_pruned(v, depth - 1, limit) for v in islice(value, _PREVIEW_ITEMS + 1)]
+        return items[:_PREVIEW_ITEMS] + [_MORE] if len(items) > _PREVIEW_ITEMS else items
+    return value

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Optional
 from pydantic import Field, field_validator, model_validator
 
 from .errors import ConfigError
+from .pydantic_errors import show_value
 from .section import Section
 from .types import (
     AutoBool,
@@ -116,7 +117,7 @@ class ZeroConfig(Section):
                 continue
             value, path = raw.pop(legacy), f"{prefix}.{legacy}"
             if not isinstance(value, bool):
-                raise ConfigError(path, f"expected true or false, got {value!r}")
+                raise ConfigError(path, f"expected true or false, got {show_value(value)}")
             if modern in raw:
                 raise ConfigError(path, f"legacy key given together with '{modern}'; keep only '{prefix}.{modern}'")
             if value:
@@ -125,7 +126,7 @@ class ZeroConfig(Section):
         if "cpu_offload_use_pin_memory" in raw:
             value, path = raw.pop("cpu_offload_use_pin_memory"), f"{prefix}.cpu_offload_use_pin_memory"
             if not isinstance(value, bool):
-                raise ConfigError(path, f"expected true or false, got {value!r}")
+                raise ConfigError(path, f"expected true or false, got {show_value(value)}")
             for modern in ("offload_optimizer", "offload_param"):
                 section = raw.get(modern)
                 if isinstance(section, dict) and "pin_memory" not in section:

@@ -22,7 +22,6 @@ DeepSpeed-style dict ``zerotune.initialize`` takes.
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
@@ -32,13 +31,14 @@ import yaml
 from pydantic import ValidationError
 
 from zerotune.config.errors import ConfigError
-from zerotune.config.files import YAML_SUFFIXES, read_config_file
+from zerotune.config.files import read_config_file
 from zerotune.config.loading import (  # _plain_copy is private; reused, not duplicated
     _plain_copy,
     normalize_keys,
 )
 from zerotune.config.pydantic_errors import translate
 from zerotune.config.tree import set_path
+from zerotune.config.yaml_loader import YamlExpansionError, load_yaml
 from zerotune.finetune.recipe_engine import (
     derive_engine_config,
     recipe_engine_config,
@@ -121,28 +121,12 @@ def _read_source(source: Any) -> tuple[dict[str, Any], Path]:
                           f"got {type(source).__name__}")
 
 
-class _Yaml12Loader(yaml.SafeLoader):
-    """SafeLoader that reads ``5e-5`` as a float (YAML 1.2) instead of the string "5e-5" (YAML 1.1).
-
-    Every learning rate is written that way; PyYAML's YAML 1.1 float needs a dot.
-    """
-
-
-_Yaml12Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:[0-9][0-9_]*(?:\.[0-9_]*)?|\.[0-9_]+)[eE][-+]?[0-9]+$"),
-    list("-+0123456789."),
-)
-
-
 def _read_recipe_file(path: Path) -> dict[str, Any]:
     try:
         data = read_config_file(path)  # every unreadable / malformed-file error, naming the file
     except ConfigError as error:
         message = error.message.replace("config file", "recipe file", 1) + _bundled_hint(path)
         raise RecipeError(error.path, message) from None
-    if path.suffix.lower() in YAML_SUFFIXES:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader
     return data
 
 
@@ -191,7 +175,9 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if not sep or not key or not all(key.split(".")):
         raise RecipeError("", f"override {override!r} must look like section.key=value, e.g. train.lr=3e-5")
     try:
-        value = yaml.load(text, Loader=_Yaml12Loader)  # noqa: S506 - a SafeLoader
+        value = load_yaml(text)
+    except YamlExpansionError as exc:
+        raise RecipeError(key, f"override value is refused: {exc}") from None
     except yaml.YAMLError as exc:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise RecipeError(key, f"override value {text!r} is not valid YAML ({problem}); "
