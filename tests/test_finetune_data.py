@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import gzip
 import hashlib
+import json
 import pathlib
 import shutil
 import subprocess
@@ -376,13 +377,31 @@ def test_unparseable_file_is_named_even_among_several(tmp_path):
     assert data("broken.csv") in one_line_error(load_files, [data("train.csv"), data("broken.csv")])
     bad_json = tmp_path / "bad.jsonl"
     bad_json.write_text('{"text": "a", "label": 1}\n{"text": \n')
-    assert f"cannot parse data file '{bad_json}' as json" in one_line_error(load_files, [str(bad_json)])
+    assert f"data file '{bad_json}': line 2 is not valid JSON" in one_line_error(load_files, [str(bad_json)])
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "empty.json"])
+def test_empty_json_file_says_it_is_empty(tmp_path, name):
+    (tmp_path / name).write_text("")
+    assert one_line_error(load_files, [str(tmp_path / name)]) == f"data file '{tmp_path / name}' is empty (0 bytes)"
+
+
+@pytest.mark.parametrize("cut", ['{"text": ', '{"text": "row 3", "label":', '{"text": "ro'])
+def test_truncated_jsonl_line_is_named_as_not_valid_json(tmp_path, cut):
+    path = tmp_path / "train.jsonl"
+    rows = [json.dumps({"text": f"row {i}", "label": i % 2}) for i in range(6)]
+    path.write_text("\n".join(rows[:2] + ["", cut] + rows[3:]) + "\n")  # a blank line: line 4 is row 3
+    message = one_line_error(load_files, [str(path)])
+    assert message.startswith(f"data file '{path}': line 4 is not valid JSON (") and "changed from" not in message
+    listing = tmp_path / "records.json"
+    listing.write_text('[\n  {"text": "a", "label": 0},\n  {"text": "b", "lab\n]\n')
+    assert "not valid JSON: " in one_line_error(load_files, [str(listing)]) and "line 3" in one_line_error(load_files, [str(listing)])
 
 
 def test_empty_files_and_unsupported_or_mixed_types(tmp_path):
     assert one_line_error(load_files, [data("header_only.csv")]) == f"data file '{data('header_only.csv')}' has no rows"
     (tmp_path / "empty.csv").write_text("")
-    assert "has no rows" in one_line_error(load_files, [str(tmp_path / "empty.csv")])
+    assert "is empty (0 bytes)" in one_line_error(load_files, [str(tmp_path / "empty.csv")])
     (tmp_path / "blank.txt").write_text("\n  \n")
     assert "has no rows" in one_line_error(load_files, [str(tmp_path / "blank.txt")])
     (tmp_path / "data.xlsx").write_text("x")

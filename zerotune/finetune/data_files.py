@@ -129,10 +129,48 @@ def _parse_error(builder: str, paths: list[pathlib.Path], error: Exception) -> D
                 break
         else:  # each file parses alone: they disagree with each other (columns or types)
             return DataError(f"data files {describe_files(paths)} do not combine (different columns or types?): {one_line(error)}")
+    if culprit.stat().st_size == 0:  # the json builder's own words for this are "StopIteration"
+        return DataError(f"data file {str(culprit)!r} is empty (0 bytes)")
+    if builder == "json" and (problem := _json_syntax_problem(culprit)):
+        return DataError(f"data file {str(culprit)!r}: {problem}")
     root_cause = cause.__cause__ or cause.__context__ or cause
     if "corresponds to no data" in str(cause) or type(root_cause).__name__ in ("EmptyDataError", "SchemaInferenceError"):
         return DataError(f"data file {str(culprit)!r} has no rows")
     return DataError(f"cannot parse data file {str(culprit)!r} as {builder}: {one_line(root_cause)}")
+
+
+def _json_syntax_problem(path: pathlib.Path) -> str | None:
+    """Where a JSON / JSON-lines file stops being JSON, or None when its syntax is fine.
+
+    pyarrow reports a truncated line by its effect on the column types ("changed from string to object"
+    in a 0-based row that skips blank lines); this reads the file the way a user counts lines. A file whose
+    first line parses alone is JSON lines, checked line by line as it streams; otherwise one document.
+    Compressed files are left to the builder's message.
+    """
+    if path.suffix.lower() in _COMPRESSION_SUFFIXES:
+        return None
+    with open(path, encoding="utf-8", errors="replace") as handle:
+        first = next((line for line in handle if line.strip()), "")
+        if not first:
+            return None  # only blank lines: the builder says it has no rows
+        if _json_error(first) is None:
+            handle.seek(0)
+            for number, line in enumerate(handle, start=1):
+                if line.strip() and (error := _json_error(line.rstrip("\r\n"))):
+                    return (f"line {number} is not valid JSON ({error.msg}: column {error.colno}; truncated?); "
+                            "a JSON-lines file holds one complete JSON object per line")
+            return None
+        handle.seek(0)
+        error = _json_error(handle.read())
+    return None if error is None else f"not valid JSON: {error.msg}: line {error.lineno} column {error.colno}"
+
+
+def _json_error(text: str) -> json.JSONDecodeError | None:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as error:
+        return error
+    return None
 
 
 def _is_json_columns_object(path: pathlib.Path) -> bool:
