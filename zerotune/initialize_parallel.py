@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from zerotune.config import ConfigError, NotSupportedYetError
+from zerotune.config import ConfigError
 from zerotune.distributed.mesh import ParallelDims, ProcessMesh
 from zerotune.monitor.logging import log_rank0
-from zerotune.parallel.composition import refusal
+from zerotune.parallel.composition import check_composes
 from zerotune.parallel.sequence.ulysses_attention import install_ulysses_attention
 from zerotune.parallel.tensor.autotp import apply_autotp
 from zerotune.parallel.tensor.layout import tp_layout_of
@@ -42,10 +42,8 @@ def parallel_dims(raw: Any, world_size: int, model: torch.nn.Module) -> Parallel
 
 def check_model_parallel_composes(cfg: Any, mesh: ProcessMesh) -> None:
     """What zerotune cannot run together yet fails now, naming the key (the rule: parallel/composition.py)."""
-    refused = refusal(cfg.zero_optimization.stage, cfg.zero_optimization.offload_optimizer.device, mesh.size("tp"),
-                      mesh.size("pp"), mesh.size("sp"))
-    if refused is not None:
-        raise NotSupportedYetError(*refused)
+    check_composes(cfg.zero_optimization.stage, cfg.zero_optimization.offload_optimizer.device, mesh.size("tp"),
+                   mesh.size("pp"), mesh.size("sp"))
 
 
 def split_tensor_parallel(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, rank: int) -> None:

@@ -1,11 +1,14 @@
 """Which ZeRO stages, offloads and parallel sizes zerotune runs together: one rule for the engine and the plan.
 
-``initialize`` refuses a combination this module refuses (``NotSupportedYetError`` naming the key), and
+``initialize`` refuses a combination this module refuses (``NotSupportedYetError`` naming the key) before any
+work starts, ``zero/build.py`` asks the same question of the mesh it builds a stage over, and
 ``zerotune plan --auto`` / ``"stage": "auto"`` never choose one -- a plan that picked a layout the engine then
-refused would be worse than no plan.
+refused would be worse than no plan. Nothing else states which of these combine.
 """
 
 from __future__ import annotations
+
+from zerotune.config import NotSupportedYetError
 
 
 def refusal(stage: int, offload_optimizer: str, tp: int, pp: int, sp: int) -> tuple[str, str] | None:
@@ -25,3 +28,10 @@ def refusal(stage: int, offload_optimizer: str, tp: int, pp: int, sp: int) -> tu
         return ("zero_optimization.stage", f"3 with tensor_parallel.autotp_size {tp} is not supported yet: tensor "
                 "parallelism composes with ZeRO stages 0, 1 and 2 (as DeepSpeed's AutoTP training)")
     return None
+
+
+def check_composes(stage: int, offload_optimizer: str, tp: int, pp: int, sp: int) -> None:
+    """Raise ``NotSupportedYetError`` naming the key when ``refusal`` refuses the combination."""
+    refused = refusal(stage, offload_optimizer, tp, pp, sp)
+    if refused is not None:
+        raise NotSupportedYetError(*refused)

@@ -22,6 +22,7 @@ from zerotune.offload.cpu_step import cpu_step_threads
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.offload.nvme_optimizer import NvmePlacement
 from zerotune.offload.swap_files import AioSettings, SwapStore
+from zerotune.parallel.composition import check_composes
 from zerotune.precision.policy import MasterWeights, PrecisionPolicy
 from zerotune.zero.allreduce_sync import AllReduceGradSync
 from zerotune.zero.contracts import ZeroState
@@ -54,6 +55,8 @@ def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Para
     """The state of ``zero_optimization.stage`` over ``trainable`` (in ``groups``' optimizer groups); the model
     is cast to ``policy.param_dtype`` on the way. ``norm``: how the gradient norm spans tp / pp ranks."""
     zero = cfg.zero_optimization
+    # what composes with tp / pp / sp is parallel/composition.py's rule (a stage-3 state takes no model-parallel norm)
+    check_composes(zero.stage, zero.offload_optimizer.device, mesh.size("tp"), mesh.size("pp"), mesh.size("sp"))
     group = mesh.group("dp_sp")  # the ranks holding the same parameters: gradients are averaged, ZeRO shards over them
     predivide = float(mesh.size("dp_sp")) if cfg.prescale_gradients else float(cfg.gradient_predivide_factor)
     wire = communication_dtype(cfg, compressor)
@@ -63,9 +66,6 @@ def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Para
     group_params = [[p for p in g["params"] if id(p) in chosen] for g in groups]
     placement = _master_placement(cfg, rank)
     if zero.stage == 3:
-        if norm is not None:
-            raise NotSupportedYetError("zero_optimization.stage", "3 with tensor or pipeline parallelism is not "
-                                       "supported yet (use stage 1 or 2)")
         return _build_stage3(zero, group_params, policy, group, model, predivide, placement, rank=rank,
                              aio=AioSettings.from_config(cfg.aio), wire=wire)
     return _build_stage1_or_2(zero, group_params, trainable, policy, group, model, predivide, placement, compressor,
