@@ -32,7 +32,6 @@ from zerotune.zero.stage3.sharded_param import sharded_param_of
 if TYPE_CHECKING:
     from zerotune.engine_core import EngineCore as Engine
 
-MODEL_FILE = "model_states.pt"
 MODEL_FILE_PATTERN = re.compile(r"model_states(_stage\d+)?\.pt")
 
 

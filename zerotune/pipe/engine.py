@@ -106,7 +106,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         raise RuntimeError(_schedule_only("forward"))
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("forward", "backward", "step"):  # a DeepSpeed script written for the data-parallel engine
+        if name in ("backward", "step"):  # a DeepSpeed script written for the data-parallel engine
             raise AttributeError(_schedule_only(name))
         return super().__getattr__(name)
 

@@ -1,8 +1,9 @@
-"""Whole tensors from tensor-parallel shards, and shards from whole tensors: what checkpoints and
-exports need so a saved model does not depend on the tensor-parallel size it was trained with.
+"""Whole tensors from tensor-parallel shards: what checkpoints and exports need so a saved model does
+not depend on the tensor-parallel size it was trained with.
 
 ``model_states.pt`` and ``save_16bit_model`` hold full tensors under the model's own keys (an HF
-``from_pretrained`` reads them unchanged); loading cuts each full tensor to this rank's shard.
+``from_pretrained`` reads them unchanged); loading cuts each full tensor to this rank's piece by its
+layout (``checkpoint/logical.py``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
-from zerotune.parallel.tensor.layout import shard_tensor, tp_layout_of, unshard_tensor
+from zerotune.parallel.tensor.layout import tp_layout_of, unshard_tensor
 
 
 def full_shape(tensor: torch.Tensor) -> torch.Size:
@@ -43,13 +44,3 @@ def iter_full_tensors(items: Iterable[tuple[str, torch.Tensor]], group: dist.Pro
     for key, tensor in items:
         yield key, gather_full_tensor(tensor, group)
 
-
-def shard_state_dict(module: torch.nn.Module, full_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``full_state`` with each entry of a tensor-parallel parameter cut to this rank's shard."""
-    live = module.state_dict(keep_vars=True)
-    out = dict(full_state)
-    for key, tensor in live.items():
-        layout = tp_layout_of(tensor)
-        if layout is not None and key in out and out[key].shape == full_shape(tensor):
-            out[key] = shard_tensor(out[key], layout)
-    return out
