@@ -258,3 +258,121 @@ def test_a_checkpoint_without_its_frozen_base_checks_the_base_on_resume(tmp_path
     assert message == (f"{tmp_path / 'peft' / 'model_states.pt'} was saved without its frozen base, and this model's "
                        "frozen weights are not the ones it was trained on (their SHA-256 differs): load the same base "
                        "model")
+
+
+def _save_on_a_full_disk(directory: str, failing: str, kind: str) -> tuple[list[str], list[str], str, bool]:
+    """Save tag a, train on, then save b and overwrite a while writing ``failing`` hits a full disk (an OSError
+    ENOSPC, or torch's inline_container enforce RuntimeError); then load what is there."""
+    import errno
+
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config())
+    engine_run(engine, gpt2_batch, steps=1, gas=1, global_rows=2)
+    engine.save_checkpoint(directory, tag="a")
+    saved = _weights(engine)
+    engine_run(engine, lambda s, m, r: gpt2_batch(s + 1, m, r), steps=1, gas=1, global_rows=2)
+    real_save = torch.save
+
+    def full_disk(obj, handle, *args, **kwargs):
+        if Path(handle.name).name.startswith(failing):
+            handle.write(b"the first bytes fit")
+            if kind == "enforce":
+                raise RuntimeError("[enforce fail at inline_container.cc:626] . unexpected pos 64 vs 0")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real_save(obj, handle, *args, **kwargs)
+
+    torch.save = full_disk
+    messages = []
+    try:
+        for tag in ("b", "a"):
+            try:
+                engine.save_checkpoint(directory, tag=tag)
+                messages.append("saved")
+            except CheckpointError as error:
+                messages.append(str(error))
+    finally:
+        torch.save = real_save
+    engine.destroy()
+    listing = sorted(p.name for p in Path(directory).iterdir())
+    engine, *_ = zerotune.initialize(model=make_gpt2(seed=5), config=_config())
+    loaded, _ = engine.load_checkpoint(directory)
+    same = all(torch.equal(saved[n], t) for n, t in _weights(engine).items())
+    engine.destroy()
+    return messages, listing, loaded, same
+
+
+@pytest.mark.parametrize("failing, kind", [("model_states", "enospc"), ("rng_state", "enforce")])
+def test_a_full_disk_during_a_save_names_checkpoint_and_file_and_keeps_the_previous_one(
+        tmp_path: Path, failing: str, kind: str) -> None:
+    messages, listing, loaded, same = run_distributed(_save_on_a_full_disk, 1, str(tmp_path), failing, kind)[0]
+    reason = "No space left on device" if kind == "enospc" else "[enforce fail at inline_container.cc:626]"
+    for tag, message in zip("ba", messages):
+        assert message.startswith(f"saving checkpoint {tmp_path / tag} failed writing {failing}"), message
+        assert f"({reason}" in message and "MiB free there); the previous checkpoint is kept" in message
+    assert listing == ["a", "latest"]  # no staging directory, no retired copy of a, latest as it was
+    assert (tmp_path / "latest").read_text() == "a" and not list((tmp_path / "a").glob("*.tmp"))
+    assert loaded == str(tmp_path / "a") and same
+
+
+def _save_unloadable_client_state(directory: str) -> tuple[str, list[str], dict]:
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config())
+    engine.save_checkpoint(directory, tag="a", client_state={"epoch": 1})
+    try:
+        engine.save_checkpoint(directory, tag="b", client_state={"epoch": 2, "extra": {"model": torch.nn.Linear(2, 2)}})
+        message = "saved"
+    except CheckpointError as error:
+        message = str(error)
+    listing = sorted(p.name for p in Path(directory).iterdir())
+    _, client_state = engine.load_checkpoint(directory)
+    engine.destroy()
+    return message, listing, client_state
+
+
+def test_a_client_state_the_loader_would_refuse_is_refused_at_save_naming_its_key(tmp_path: Path) -> None:
+    message, listing, client_state = run_distributed(_save_unloadable_client_state, 1, str(tmp_path))[0]
+    assert message.startswith("client_state['extra']['model'] is a torch.nn.modules.linear.Linear, which a "
+                              "checkpoint cannot hold: checkpoints load with torch.load(weights_only=True), so only "
+                              "tensors, numbers, strings"), message
+    assert listing == ["a", "latest"] and client_state == {"epoch": 1}  # nothing written, the previous one loads
+
+
+@pytest.mark.parametrize("value, loadable", [
+    ({"a": [1, 2.5, "x", None, b"b", (True, 1j)], "t": torch.ones(2), "s": {1}}, True),
+    ({"dtype": torch.bfloat16, "device": torch.device("cpu"), "size": torch.Size([2])}, True),
+    ({"model": torch.nn.Linear(1, 1)}, False),
+    ({"best": __import__("numpy").float64(1.0)}, False),
+    ({"counts": __import__("collections").defaultdict(int)}, False),
+    ({frozenset([1]): 1}, False),
+])
+def test_check_loadable_agrees_with_the_restricted_loader(tmp_path: Path, value, loadable: bool) -> None:
+    torch.save(value, tmp_path / "f.pt")
+    try:
+        torch.load(tmp_path / "f.pt", weights_only=True)
+        loads = True
+    except Exception:  # noqa: BLE001 - the loader's refusal, whatever its type
+        loads = False
+    assert loads == loadable
+    if loadable:
+        atomic.check_loadable(value, "client_state")
+    else:
+        with pytest.raises(CheckpointError, match=r"^client_state\S* (key .* )?is a "):
+            atomic.check_loadable(value, "client_state")
+
+
+def _save_to_an_empty_directory_name(directory: str) -> tuple[str, list[str]]:
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config())
+    cwd = os.getcwd()
+    os.chdir(directory)
+    try:
+        engine.save_checkpoint(save_dir="")
+        message = "saved"
+    except ValueError as error:
+        message = str(error)
+    finally:
+        os.chdir(cwd)
+        engine.destroy()
+    return message, sorted(p.name for p in Path(directory).iterdir())
+
+
+def test_save_checkpoint_to_an_empty_directory_name_is_a_value_error(tmp_path: Path) -> None:
+    message, listing = run_distributed(_save_to_an_empty_directory_name, 1, str(tmp_path))[0]
+    assert message.startswith("engine.save_checkpoint() needs a directory") and listing == []

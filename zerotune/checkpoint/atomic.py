@@ -21,11 +21,14 @@ malicious pickle or a flipped bit is refused with the file's name before anythin
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -119,13 +122,40 @@ def write_file_atomically(obj: Any, path: Path) -> tuple[str, int, str]:
     the checkpoint directory, size, SHA-256) for the manifest."""
     temporary = path.with_name(path.name + ".tmp")
     _step(f"write {temporary}")
-    with open(temporary, "wb") as handle:
+    with _write_failure_named(temporary, path), open(temporary, "wb") as handle:
         torch.save(obj, handle)
         handle.flush()
         os.fsync(handle.fileno())
     _step(f"replace {temporary} -> {path}")
     os.replace(temporary, path)
     return path.name, path.stat().st_size, file_digest(path)
+
+
+@contextlib.contextmanager
+def _write_failure_named(temporary: Path, path: Path) -> Iterator[None]:
+    """A failed write (a full disk: ``OSError``, or torch's ``inline_container.cc`` enforce ``RuntimeError``)
+    becomes a CheckpointError naming the checkpoint and the file, with the space left; the half-written
+    temporary file is removed. The bare errors name neither, and the enforce error not even the cause."""
+    try:
+        yield
+    except (OSError, RuntimeError) as error:
+        temporary.unlink(missing_ok=True)
+        reason = (error.strerror if isinstance(error, OSError) and error.strerror
+                  else (str(error).strip().splitlines() or [type(error).__name__])[0])
+        try:
+            free = f"; {shutil.disk_usage(path.parent).free / 2**20:.1f} MiB free there"
+        except OSError:
+            free = ""
+        raise CheckpointError(f"saving checkpoint {_checkpoint_of(path.parent)} failed writing {path.name} "
+                              f"({reason}{free}); the previous checkpoint is kept") from error
+
+
+def _checkpoint_of(directory: Path) -> Path:
+    """The checkpoint a staging directory (``.<tag>.partial``) becomes; other directories are themselves."""
+    name = directory.name
+    if name.startswith(".") and name.endswith(".partial"):
+        return directory.with_name(name[1:-len(".partial")])
+    return directory
 
 
 def describe_files(directory: Path, relative_to: Path) -> list[tuple[str, int, str]]:
@@ -137,7 +167,7 @@ def describe_files(directory: Path, relative_to: Path) -> list[tuple[str, int, s
 def write_text_atomically(text: str, path: Path) -> None:
     temporary = path.with_name(path.name + ".tmp")
     _step(f"write {temporary}")
-    with open(temporary, "w") as handle:
+    with _write_failure_named(temporary, path), open(temporary, "w") as handle:
         handle.write(text)
         handle.flush()
         os.fsync(handle.fileno())
@@ -250,6 +280,44 @@ def verify_files(directory: Path, names: list[str], manifest: dict[str, dict]) -
             raise CheckpointError(f"checkpoint file {path} does not exist")
         if path.stat().st_size != entry["bytes"] or file_digest(path) != entry["sha256"]:
             raise CheckpointError(f"checkpoint file {path} is damaged: its SHA-256 does not match {MANIFEST}")
+
+
+_LOADABLE_LEAVES = (type(None), bool, int, float, complex, str, bytes, bytearray, torch.Tensor, torch.nn.Parameter,
+                    torch.dtype, torch.device, torch.Size, torch.layout)
+_LOADABLE_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
+_LOADABLE_SEQUENCES = (list, tuple, set)
+LOADABLE_TYPES = ("tensors, numbers, strings, bytes, None, torch dtypes / devices / sizes, and dicts, lists, tuples "
+                  "and sets of them")
+
+
+def check_loadable(value: Any, where: str) -> None:
+    """Refuse, naming its key path (``client_state['model']``), a value :func:`read_file` would refuse.
+
+    Checkpoints are read with ``torch.load(weights_only=True)`` only, so one object of another class (an
+    ``nn.Module``, a numpy scalar, a dataclass) saves fine and makes the whole checkpoint unloadable; this
+    says so before the save writes anything. Exact types, as the loader checks them (a dict subclass such as
+    ``defaultdict`` is refused too), plus whatever ``torch.serialization.add_safe_globals`` allowed.
+    """
+    allowed = set(_LOADABLE_LEAVES) | {g for g in torch.serialization.get_safe_globals() if isinstance(g, type)}
+    pending, seen = [(value, where)], set()
+    while pending:
+        item, path = pending.pop()
+        kind = type(item)
+        if kind in allowed:
+            continue
+        if kind in _LOADABLE_MAPPINGS or kind in _LOADABLE_SEQUENCES:
+            if id(item) in seen:
+                continue
+            seen.add(id(item))
+            pairs = item.items() if kind in _LOADABLE_MAPPINGS else enumerate(item)
+            children = [(child, f"{path}[{key!r}]") for key, child in pairs]
+            if kind in _LOADABLE_MAPPINGS:
+                children = [(key, f"{path} key {key!r}") for key in item] + children
+            pending.extend(reversed(children))  # first offender in order is the one named
+            continue
+        raise CheckpointError(f"{path} is a {kind.__module__}.{kind.__qualname__}, which a checkpoint cannot hold: "
+                              f"checkpoints load with torch.load(weights_only=True), so only {LOADABLE_TYPES} can be "
+                              "saved (save a module's state_dict(), not the module)")
 
 
 def read_file(path: Path, what: str, mmap: bool = False) -> Any:

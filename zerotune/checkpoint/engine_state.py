@@ -9,6 +9,7 @@ so all ranks raise together -- and only then changes its engine.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
@@ -18,12 +19,14 @@ import torch
 from zerotune.checkpoint.atomic import (
     CheckpointError,
     CheckpointTagMismatch,
+    check_loadable,
     check_tag,
     partial_dir,
     prepare_partial_dir,
     publish,
     read_file,
     read_manifest,
+    recover,
     resolve_tag,
     retain_newest,
     tag_directory,
@@ -94,6 +97,25 @@ def _group_hyperparameters(engine: Engine) -> list[dict] | None:
 
 def save_engine_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_state: dict,
                            save_latest: bool, exclude_frozen: bool = False) -> None:
+    """Save ``tag`` (default ``global_step<N>``) into ``save_dir``.
+
+    ``client_state`` is checked first: a value the loader would refuse (an ``nn.Module``) is named before
+    anything is written, instead of making the whole checkpoint unloadable. A save that fails while writing
+    (a full disk) names the checkpoint and the file, and rank 0 puts the directory back as it was before
+    the save (``recover``: no staging directory left, the previous checkpoint and ``latest`` untouched).
+    """
+    check_loadable(client_state, "client_state")
+    try:
+        _write_checkpoint(engine, save_dir, tag, client_state, save_latest, exclude_frozen)
+    except (CheckpointError, OSError):
+        if engine.global_rank == 0:
+            with contextlib.suppress(OSError):  # a disk too full even to clean up: the next save's recover() does it
+                recover(save_dir)
+        raise
+
+
+def _write_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_state: dict,
+                      save_latest: bool, exclude_frozen: bool) -> None:
     tag = _agreed_tag(engine, str(tag) if tag is not None else f"global_step{engine.global_steps}")
     check_tag(tag)
     if engine.global_rank == 0:
