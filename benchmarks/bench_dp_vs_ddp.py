@@ -144,7 +144,7 @@ def _build(method: str, rank: int, args: argparse.Namespace, device: torch.devic
 
     def state_tensors():
         states = [t for s in optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
-        return list(model.parameters()) + [b.buffer for b in engine.grad_sync.buckets.buckets] + states
+        return list(model.parameters()) + [b.buffer for b in engine.state._grad_sync.buckets.buckets] + states
     return train_step, state_tensors, model
 
 

@@ -46,7 +46,7 @@ def _train(model_name: str, stage: int, precision: str, offload: dict, optimizer
     masters_on = {m.device.type for m in engine.state.masters}
     engine.destroy()
     return {"trace": trace, "weights": weights, "masters_on": masters_on, "separate": engine.state.separate,
-            "staged_steps": engine.state.placement.staged_steps}
+            "staged_steps": engine.state._placement.staged_steps}
 
 
 def _compare(model_name: str, stage: int, precision: str, offload: dict, optimizer: dict = ADAMW) -> dict:

@@ -40,7 +40,7 @@ def _engine(stage: int, precision: str, offload: str = "none"):
 
 def _holders(engine) -> dict[str, list[torch.Tensor]]:
     """Each kind's tensors, listed here independently of zero/offloadable.py."""
-    state, sync, stage = engine.state, engine.grad_sync, engine.zero_optimization_stage()
+    state, sync, stage = engine.state, engine.state._grad_sync, engine.zero_optimization_stage()
     grads = {0: lambda: [b.buffer for b in sync.buckets.buckets], 1: lambda: list(sync.grad_buffers),
              2: lambda: list(sync.grad_shards), 3: lambda: [u.grad_shard for u in state.units if u.trainable]}
     params = ([s.local for u in state.units for s in u.segments] if stage == 3 else list(engine.module.parameters()))

@@ -37,7 +37,7 @@ class Engine(EngineCompile, EngineCore):
         self._inside_no_sync = False
         # Stage 3 gathers parameters and model parallelism exchanges activations in the forward; otherwise a
         # forward is local (a rank may evaluate alone) and the collective guard leaves it out.
-        self._forward_communicates = bool(self.state.units) or self.mesh.size("tp") > 1 or self.mesh.size("sp") > 1
+        self._forward_communicates = self.state.partitions_weights or self.mesh.size("tp") > 1 or self.mesh.size("sp") > 1
         self._step_calls = 0  # engine.step() calls: the micro-steps this engine has run (never rewound)
         self._guarded_at = -1  # one collective-guard point per micro-step, before its first collective
 
@@ -86,9 +86,9 @@ class Engine(EngineCompile, EngineCore):
         self._window_loss = detached if self._window_loss is None else self._window_loss + detached
         gas_divisor = self.gradient_accumulation_steps() if scale_wrt_gas else 1
         communicate = self.is_gradient_accumulation_boundary() and not self._inside_no_sync
-        if communicate or self._forward_communicates or self.zero_optimization_stage() >= 2:
+        if communicate or self._forward_communicates or self.state.reduces_every_backward:
             self._guard_point("backward")
-        self.grad_sync.begin_micro_step(communicate)
+        self.state.begin_micro_step(communicate)
         with self.timers("backward"):
             (loss.float() * (self.loss_scaler.loss_scale / gas_divisor)).backward(retain_graph=retain_graph)
         return loss / gas_divisor
@@ -107,7 +107,7 @@ class Engine(EngineCompile, EngineCore):
         if boundary:
             self._guard_point("optimizer step")
             with self.timers("reduce"):
-                self.grad_sync.finish()
+                self.state.finish()
             with self.timers("step"):
                 self._take_model_step(lr_kwargs or {})
         self.tput_timer.stop(global_step=boundary)
@@ -142,7 +142,7 @@ class Engine(EngineCompile, EngineCore):
         """Backward passes inside accumulate gradients locally, without communication (stages 0/1;
         stages 2/3 reduce gradients to their owners as they are produced, so they refuse, as DeepSpeed).
         The next backward outside the block reduces everything accumulated."""
-        if self.zero_optimization_stage() >= 2:
+        if self.state.reduces_every_backward:
             raise NoSyncError(f"engine.no_sync(): no_sync context manager is incompatible with ZeRO stage "
                               f"{self.zero_optimization_stage()}, which partitions gradients during backward; use "
                               "stage 0 or 1")

@@ -38,7 +38,7 @@ from zerotune.monitor.timers import WallClockTimers
 from zerotune.monitor.writers import ScalarWriters
 from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, NonFiniteError, StaticLossScaler
 from zerotune.precision.policy import PrecisionPolicy
-from zerotune.zero.contracts import ZeroState
+from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.fragments import register_owner
 from zerotune.zero.stage3.saving import iter_consolidated, save_consolidated
 
@@ -82,7 +82,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
     """What every engine has: the step, the counters, checkpoints and reports (see the module docstring)."""
 
     def __init__(self, *, module: torch.nn.Module, config: Any, env: DistEnv, mesh: ProcessMesh,
-                 policy: PrecisionPolicy, state: ZeroState,
+                 policy: PrecisionPolicy, state: ZeroStage,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
                  training_dataloader: Any = None, compressor: TopKCompressor | None = None,
@@ -96,11 +96,11 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.state = state
         self.optimizer = optimizer
         register_owner(module.parameters(), self)  # how deepspeed.utils.safe_get_full_grad(param) & co. find us
-        if state.units and optimizer is not None:  # stage 3: DeepSpeed's engine.optimizer.parameter_offload, through
-            # which TRL drops and re-adds the module hooks around generation (zerotune/compat/parameter_offload.py)
+        if state.partitions_weights and optimizer is not None:  # DeepSpeed's engine.optimizer.parameter_offload,
+            # through which TRL drops and re-adds the module hooks around generation (compat/parameter_offload.py)
             from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
 
-            optimizer.parameter_offload = DeepSpeedZeRoOffload(module, state.grad_sync)
+            optimizer.parameter_offload = DeepSpeedZeRoOffload(module, state)
         if optimizer is not None:  # DeepSpeed's fp16/ZeRO optimizers' flag, read by DeepSpeed-Chat: the last step
             optimizer.overflow = False  # overflowed and was skipped (kept by _model_step)
         self.client_optimizer = client_optimizer
@@ -171,11 +171,9 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
             clip = self._config.gradient_clipping
             if clip > 0:
                 coefficient *= min(1.0, clip / (norm + 1e-6))
-            self.state.attach(grads, coefficient)
-            self.state.placement.step(self.optimizer)
-            self.state.update_model()
+            self.state.step(self.optimizer, grads, coefficient)
             if getattr(self.optimizer, "takes_local_gradients", False):  # OneBitAdam after its warm-up
-                self.grad_sync.use_local_gradients(True)
+                self.state.use_local_gradients(True)
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**lr_kwargs)
         scale_before = self.loss_scaler.loss_scale
@@ -319,8 +317,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         """
         self._require_on_device("save_16bit_model()", FORWARD_NEEDS)
         comm.guard_point("save_16bit_model", self.global_steps, self.micro_steps)
-        units = self.state.units  # stage 3's partitioned units (empty below)
-        if units and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        units = self.state.units
+        if self.state.partitions_weights and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
             log_rank0("save_16bit_model: nothing saved: ZeRO stage 3 keeps the parameters partitioned; set "
                       "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to gather them "
                       "(save_checkpoint saves the shards)", rank=self.global_rank)
@@ -342,5 +340,5 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         """Release hooks and writers (DeepSpeed's ``engine.destroy()``); the collective guard's last exchange
         is checked here rather than left in flight at exit."""
         comm.settle_guard()
-        self.grad_sync.remove_hooks()
+        self.state.remove_hooks()
         self.monitor.close()

@@ -148,8 +148,7 @@ class StateOffloading:
     def empty_partition_cache(self) -> None:
         """DeepSpeed's: free every gathered ZeRO-3 parameter now (persistent ones too; each unit is gathered again
         at its next use), e.g. before handing the device to another phase. Stages 0-2 hold no gathered copies."""
-        for unit in self.state.units:
-            unit.release()
+        self.state.release_gathered()
 
     def state_devices(self, kind: Any) -> set[torch.device]:
         """Where ``kind`` lives now (DeepSpeed's ``get_state_devices``): the host while offloaded, nothing for freed

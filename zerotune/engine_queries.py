@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from zerotune.distributed.mpu import ModelParallelUnit
-from zerotune.zero.replicated_state import ReplicatedState
 
 
 class EngineQueries:
@@ -80,12 +79,7 @@ class EngineQueries:
     @property
     def sharded(self) -> bool:
         """Whether optimizer state and masters are partitioned over the data-parallel ranks (ZeRO >= 1)."""
-        return not isinstance(self.state, ReplicatedState)
-
-    @property
-    def grad_sync(self):
-        """The stage's gradient sync strategy (all-reduce, reduce-at-boundary or bucketed reduce)."""
-        return self.state.grad_sync
+        return self.state.shards_masters
 
     def gradient_accumulation_steps(self) -> int:
         return self._config.gradient_accumulation_steps
@@ -142,10 +136,10 @@ class EngineQueries:
         return self.mesh.group("dp") or torch.distributed.group.WORLD
 
     def zero_optimization_partition_gradients(self) -> bool:
-        return self.zero_optimization_stage() >= 2
+        return self.state.reduces_every_backward
 
     def zero_optimization_partition_weights(self) -> bool:
-        return self.zero_optimization_stage() >= 3
+        return self.state.partitions_weights
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
         return bool(self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save)
@@ -173,6 +167,6 @@ class EngineQueries:
         if self.optimizer is not None:
             optimizer_bytes = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                                   for t in s.values() if isinstance(t, torch.Tensor))
-        return {"params": sum(storages.values()) + self.state.partitioned_param_bytes(), "grads": self.grad_sync.grad_bytes(),
+        return {"params": sum(storages.values()) + self.state.partitioned_param_bytes(), "grads": self.state.grad_bytes(),
                 "master_weights": self.state.master_bytes(), "optimizer_state": optimizer_bytes,
-                "comm_buffers": self.grad_sync.buffer_bytes()}
+                "comm_buffers": self.state.buffer_bytes()}

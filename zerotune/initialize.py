@@ -40,7 +40,6 @@ from zerotune.plan.measure import measure as measure_hardware
 from zerotune.precision.loss_scaler import DynamicLossScaler, StaticLossScaler
 from zerotune.precision.policy import policy_from_flags
 from zerotune.zero.build import build_zero_state, gradient_compressor
-from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 
 IMPLEMENTED_ZERO_STAGES = (0, 1, 2, 3)
@@ -262,11 +261,11 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                              norm=model_parallel_norm(mesh, model if pipelined else None))
     torch_optimizer = _build_optimizer(cfg.optimizer, optimizer, state.optimizer_groups(groups))
     if isinstance(torch_optimizer, OneBitAdam):
-        if not isinstance(state, ReplicatedState) or compressor is not None:
+        if state.shards_masters or compressor is not None:
             raise ConfigError("optimizer.type", "OneBitAdam needs ZeRO stage 0 and no gradient_compression block (it "
                                                 "compresses the momentum itself; DeepSpeed's refuses ZeRO too)")
         torch_optimizer.comm_group = mesh.group("dp_sp")
-    if isinstance(torch_optimizer, Lamb) and not isinstance(state, ReplicatedState):
+    if isinstance(torch_optimizer, Lamb) and state.shards_masters:
         raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stages 1-3 is not supported yet: its per-parameter "
                                                      "trust ratios need whole parameters; use stage 0 or Adam/AdamW")
     if cfg.lr_scaling is not None and torch_optimizer is not None:

@@ -63,7 +63,7 @@ def load_compression_state(engine: Engine, saved: dict) -> None:
         engine.compressor.load_state_dict(saved["topk"], engine.device)
     if hasattr(engine.optimizer, "load_error_state_dict") and "onebit" in saved:
         engine.optimizer.load_error_state_dict(saved["onebit"], engine.device)
-        engine.grad_sync.use_local_gradients(engine.optimizer.takes_local_gradients)
+        engine.state.use_local_gradients(engine.optimizer.takes_local_gradients)
 
 
 def rng_file(rank: int) -> str:

@@ -126,7 +126,7 @@ def _write_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_sta
     first_replica = engine.mesh.rank("dp_sp") == 0  # the tp ranks of each stage's first model replica
     weights = module_state(engine) if first_replica else None
     extra = {}
-    if exclude_frozen and not engine.state.units and first_replica and frozen_names(engine):
+    if exclude_frozen and not engine.state.partitions_weights and first_replica and frozen_names(engine):
         extra["frozen_fingerprint"] = frozen_fingerprint(engine, weights)
         weights = {k: v for k, v in weights.items() if k not in set(frozen_names(engine))}
     if first_replica and engine.mesh.rank("tp") == 0:
@@ -144,7 +144,7 @@ def _write_checkpoint(engine: Engine, save_dir: str, tag: str | None, client_sta
         }, staging / model_file(engine)))
     # stage 0: masters and optimizer state are replicated (the first replica saves them); stages 1-3: every
     # rank saves its own slice; stage 3 also its weight shards
-    pieces = rank_pieces(engine, weights=bool(engine.state.units), optimizer=engine.sharded or first_replica)
+    pieces = rank_pieces(engine, weights=engine.state.partitions_weights, optimizer=engine.sharded or first_replica)
     if pieces["entries"] or pieces["scalars"]:
         written.append(write_file_atomically(pieces, staging / shard_file(engine.global_rank)))
     residuals = compression_state(engine)
@@ -308,7 +308,7 @@ def _read_and_check(engine: Engine, directory: Path, strict: bool, with_optimize
     reader = PieceReader(directory, whole, rank_files)
     frozen = set()
     if "frozen_fingerprint" in saved:
-        if engine.state.units:
+        if engine.state.partitions_weights:
             raise CheckpointError(f"{directory} was saved without its frozen base; loading it at ZeRO stage 3 is not "
                                   "supported yet (load it at stage 0-2, or save with exclude_frozen_parameters=False)")
         check_frozen_base(engine, saved, directory / model_files[0])

@@ -8,7 +8,7 @@ ends. It reaches them through DeepSpeed's ``DeepSpeedZeRoOffload``: ``.module``,
 ``ds_active_sub_modules`` and each module's ``ds_external_parameters()`` (cleared), and
 ``_register_deepspeed_module(module)`` to register them again.
 
-Here the hooks are stage 3's ``UnitScheduler`` forward hooks. A zerotune forward hook also attaches that
+Here the hooks are stage 3's forward hooks, reached through the stage (``zero/contracts.py``). A zerotune forward hook also attaches that
 forward's backward hooks, so there are no module-level backward hooks: ``backward_hooks`` is always empty.
 Registering again first removes whatever zerotune registered before (the scheduler keeps its own record of
 the handles), so hooks are never doubled, and the schedule's cursors restart at the root's next forward:
@@ -22,7 +22,7 @@ from typing import Any, Iterator
 
 import torch
 
-from zerotune.zero.stage3.schedule import UnitScheduler
+from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.stage3.wrap import EXTERNAL_PARAMS
 
 __all__ = ["DeepSpeedZeRoOffload"]
@@ -42,9 +42,9 @@ class _ExternalParameters:
 class DeepSpeedZeRoOffload:
     """The stage-3 engine's module hooks under DeepSpeed's names (see the module docstring)."""
 
-    def __init__(self, module: torch.nn.Module, scheduler: UnitScheduler) -> None:
+    def __init__(self, module: torch.nn.Module, stage: ZeroStage) -> None:
         self.module = module
-        self._scheduler = scheduler
+        self._stage = stage
         for submodule in module.modules():
             if not hasattr(submodule, "ds_external_parameters"):
                 submodule.ds_external_parameters = _ExternalParameters(submodule)
@@ -52,7 +52,7 @@ class DeepSpeedZeRoOffload:
     @property
     def forward_hooks(self) -> list[Any]:
         """The units' forward hook handles (a copy: removing one removes the hook)."""
-        return list(self._scheduler.forward_hooks)
+        return self._stage.forward_hook_handles()
 
     @forward_hooks.setter
     def forward_hooks(self, hooks: list[Any]) -> None:
@@ -69,7 +69,7 @@ class DeepSpeedZeRoOffload:
 
     def _remove_module_hooks(self) -> None:
         """Remove stage 3's forward hooks (DeepSpeed's name)."""
-        self._scheduler.detach_forward_hooks()
+        self._stage.detach_forward_hooks()
 
     def destroy(self) -> None:
         self._remove_module_hooks()
@@ -82,7 +82,7 @@ class DeepSpeedZeRoOffload:
             raise ValueError(f"_register_deepspeed_module: zerotune registers ZeRO stage 3's hooks for the whole "
                              f"model at once; pass the engine's module (parameter_offload.module, a "
                              f"{type(self.module).__name__}), not a {type(module).__name__}")
-        self._scheduler.attach_forward_hooks()
+        self._stage.attach_forward_hooks()
 
     _register_hooks_recursively = _register_deepspeed_module  # DeepSpeed's name before 0.14
 

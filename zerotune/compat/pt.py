@@ -66,7 +66,7 @@ class DeepSpeedZeROOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients and open the next backward's reduction (so ``loss.backward()`` works too)."""
         self.engine.zero_grad(set_to_none)
-        self.engine.grad_sync.begin_micro_step(True)
+        self.engine.state.begin_micro_step(True)
         self._through_backward = False
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:

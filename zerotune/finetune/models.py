@@ -263,9 +263,9 @@ def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: 
     every rank for the duration of the merge.
     """
     rank, model = engine.global_rank, engine.module
-    units = engine.state.units  # stage 3's partitioned units (empty below)
+    units = engine.state.units
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
-    if not units:
+    if not engine.state.partitions_weights:
         return save_model(model, tokenizer, output_dir, merge=merge, merged_dtype=dtype) if rank == 0 else []
     if not hasattr(model, "peft_config"):
         model_dir = output_dir / "model"

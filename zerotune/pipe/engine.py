@@ -137,7 +137,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
                 saved[action.micro_batch] = (inputs, outputs)
             else:
                 backwards_done += 1
-                self.grad_sync.begin_micro_step(backwards_done == micro_batches)
+                self.state.begin_micro_step(backwards_done == micro_batches)
                 inputs, outputs = saved.pop(action.micro_batch)
                 grads = None if self.is_last_stage() else recv_tensors(self._next, GRADIENT_TAG, self.device)
                 started = time.perf_counter()
@@ -152,9 +152,8 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         mean_loss = self._broadcast_loss(losses, micro_batches)
         self._window_loss = mean_loss * micro_batches  # the step report divides by GAS
         with self.timers("step"):
-            self._reduce_tied_grads(before_sync=True)
-            self.grad_sync.finish()
-            self._reduce_tied_grads(before_sync=False)
+            ties = [(param, self.tie_groups[key]) for key, param in self.pipe.local_tied_parameters().items()]
+            self.state.finish(ties)  # a tied weight's gradient summed over the stages holding it
             self._take_model_step({})
         self.micro_steps += micro_batches
         return mean_loss
@@ -249,24 +248,6 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         comm.broadcast(total, self.num_stages - 1, self.mesh.group("pp"))
         comm.all_reduce(total, self.mesh.group("dp"))
         return total / self.mesh.size("dp")
-
-    def _reduce_tied_grads(self, *, before_sync: bool) -> None:
-        """Sum a tied weight's gradient over the stages holding it: ZeRO-1 before its reduce-scatter (the
-        full local gradient is in ``param.grad``), stage 0 after its all-reduce (the summed gradient is in
-        the fp32 bucket), stage 2 after the reduction to the owners (the slices are assembled, summed and
-        cut again: no rank holds a tied weight's whole gradient otherwise); summing and averaging commute."""
-        stage = self.zero_optimization_stage()
-        if before_sync != (stage == 1):
-            return
-        for key, param in self.pipe.local_tied_parameters().items():
-            if stage == 2:
-                self.grad_sync.sum_full_grad_over(param, self.tie_groups[key])
-                continue
-            grad = param.grad if before_sync else self.grad_sync.grad_of(param)
-            if grad is None:
-                grad = param.grad = torch.zeros_like(param)
-            comm.all_reduce(grad, self.tie_groups[key])
-
 
 
 def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:

@@ -24,11 +24,14 @@ import torch.distributed as dist
 from zerotune.distributed import comm, compression
 from zerotune.distributed.buckets import Bucket, GradientBuckets
 from zerotune.distributed.streams import phase, streams_for
+from zerotune.zero.contracts import TiedWeight
 from zerotune.zero.grad_hooks import register_grad_ready_hooks
 
 
 class AllReduceGradSync:
     """Keeps the data-parallel replicas' gradients identical (and averaged) at every boundary."""
+
+    reduces_every_backward = False
 
     def __init__(self, params: Sequence[torch.nn.Parameter], group: dist.ProcessGroup | None, *,
                  bucket_numel: int, device: torch.device, predivide_factor: float = 1.0,
@@ -89,11 +92,17 @@ class AllReduceGradSync:
                 wire = comm.on_the_wire(bucket.buffer, self.comm_dtype)
                 self._handles.append((comm.all_reduce(wire, self.group, async_op=True), bucket.buffer, wire))
 
-    def finish(self) -> None:
-        """Complete the boundary's communication; afterwards every bucket holds the mean gradient."""
+    def finish(self, ties: Sequence[TiedWeight] = ()) -> None:
+        """Complete the boundary's communication; afterwards every bucket holds the mean gradient, and each tied
+        weight's mean summed over the pipeline stages holding it (summing and averaging commute)."""
         if self._settled:  # (done already, by ``settle``)
             self._settled = False
-            return
+        else:
+            self._complete()
+        for param, group in ties:
+            comm.all_reduce(self.grad_of(param), group)
+
+    def _complete(self) -> None:
         self.buckets.launch_remaining()
         buffers = [bucket.buffer for bucket in self.buckets.buckets]
         if buffers:

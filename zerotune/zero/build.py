@@ -25,7 +25,7 @@ from zerotune.offload.swap_files import AioSettings, SwapStore
 from zerotune.parallel.composition import check_composes
 from zerotune.precision.policy import MasterWeights, PrecisionPolicy
 from zerotune.zero.allreduce_sync import AllReduceGradSync
-from zerotune.zero.contracts import ZeroState
+from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.grad_norm import ModelParallelNorm
 from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.sharded_state import ShardedState
@@ -51,7 +51,7 @@ def gradient_compressor(cfg: Any) -> TopKCompressor | None:
 
 def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Parameter], policy: PrecisionPolicy,
                      mesh: ProcessMesh, model: torch.nn.Module, compressor: TopKCompressor | None, *,
-                     rank: int, norm: ModelParallelNorm | None = None) -> ZeroState:
+                     rank: int, norm: ModelParallelNorm | None = None) -> ZeroStage:
     """The state of ``zero_optimization.stage`` over ``trainable`` (in ``groups``' optimizer groups); the model
     is cast to ``policy.param_dtype`` on the way. ``norm``: how the gradient norm spans tp / pp ranks."""
     zero = cfg.zero_optimization
@@ -170,7 +170,7 @@ def _build_stage3(zero: Any, group_params: list[list[torch.nn.Parameter]], polic
                             persistence_threshold=int(zero.stage3_param_persistence_threshold),
                             shard_device=torch.device("cpu") if offload.device != "none" else None,
                             pin_memory=bool(offload.pin_memory), on_unit_built=unit_built)
-    state.finish(lambda on_final_grad: UnitScheduler(
+    state.start_schedule(lambda on_final_grad: UnitScheduler(
         units, prefetch_numel=int(zero.stage3_prefetch_bucket_size), max_live_numel=int(zero.stage3_max_live_parameters),
         predivide_factor=predivide, max_in_flight=2 if zero.overlap_comm else 0, on_final_grad=on_final_grad,
         comm_dtype=wire))

@@ -43,7 +43,6 @@ class ParamFragments:
     Mixed into each state, which provides ``params``, ``masters``, ``master_pieces()``, ``placement``,
     ``grad_sync``, ``master_grads()`` and, when its masters are sharded, ``group``."""
 
-    shards_masters = True
     """Whether each master element has one holder over the data-parallel group (stages 1-3), so full values
     are assembled by an all-reduce; False where every rank holds every master (stage 0)."""
 
@@ -97,7 +96,7 @@ class ParamFragments:
         the tensor ``key`` names among them (the master itself for None)."""
         if key is not None and optimizer is None:
             raise ValueError(f"optimizer state '{key}': the engine has no optimizer")
-        values, state = self.placement.read_master(index, self.masters[index], optimizer or _NO_OPTIMIZER)
+        values, state = self._placement.read_master(index, self.masters[index], optimizer or _NO_OPTIMIZER)
         if key is None:
             return values, state, values
         target = state.get(key)
@@ -148,7 +147,7 @@ class ParamFragments:
         if piece is not None:
             values, state, target = self._holder(index, optimizer, key, param)
             target.reshape(-1)[piece.offset:piece.offset + piece.length].copy_(part)
-            self.placement.write_master(index, self.masters[index], optimizer or _NO_OPTIMIZER, values, state)
+            self._placement.write_master(index, self.masters[index], optimizer or _NO_OPTIMIZER, values, state)
         if key is None and full:
             self.write_weight(param, 0, value.detach().reshape(-1))
         elif key is None and piece is not None:
@@ -165,8 +164,8 @@ class ParamFragments:
                      piece: HeldPiece | None) -> tuple[torch.Tensor | None, bool]:
         """``(tensor, whole)``: ``param``'s whole gradient on this rank (stage 0; stage 1 before the boundary), or
         the view of this rank's piece in its master's gradient (None if it holds none)."""
-        self.grad_sync.settle()
-        whole = self.grad_sync.whole_grad(param)
+        self._grad_sync.settle()
+        whole = self._grad_sync.whole_grad(param)
         if whole is not None:
             return whole.reshape(-1), True
         if piece is None:
@@ -206,7 +205,7 @@ class ParamFragments:
             grad[piece.param_offset:piece.param_offset + piece.length].copy_(part)
         elif grad is not None:
             grad.copy_(part)
-        self.placement.clear_staging()
+        self._placement.clear_staging()
 
 
 # ---- which engine a parameter belongs to ------------------------------------------------------

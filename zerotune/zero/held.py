@@ -97,7 +97,7 @@ class HeldStateDict:
         for index, (master, pieces) in enumerate(zip(self.masters, self.master_pieces())):
             if not pieces:
                 continue
-            values, optimizer_state = self.placement.read_master(index, master, optimizer)
+            values, optimizer_state = self._placement.read_master(index, master, optimizer)
             per_element = {}
             for key, value in optimizer_state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -141,7 +141,7 @@ class HeldStateDict:
         for index, (master, pieces) in enumerate(zip(self.masters, self.master_pieces())):
             if not pieces:
                 continue
-            current, _ = self.placement.read_master(index, master, optimizer)
+            current, _ = self._placement.read_master(index, master, optimizer)
             values = current.detach().reshape(-1).clone()  # (keeps the padding of the last rank's slice)
             for piece in pieces:
                 name = names[id(piece.param)]
@@ -158,4 +158,4 @@ class HeldStateDict:
                     tensor[piece.offset:piece.offset + piece.length] = \
                         taken[piece.param_offset:piece.param_offset + piece.length]
                 optimizer_state[key] = tensor
-            self.placement.write_master(index, master, optimizer, values, optimizer_state)
+            self._placement.write_master(index, master, optimizer, values, optimizer_state)

@@ -39,7 +39,7 @@ SCRATCH_KINDS = ("contiguous_grad_buffer",)
 def kinds_off_device(state: Any) -> dict[str, str]:
     """Kinds that ``offload_optimizer`` already keeps off the device, each with the reason (DeepSpeed leaves them
     out of ``offload_states`` too)."""
-    placement = state.placement
+    placement = state._placement
     if not placement.offloaded:
         return {}
     where = "in swap files" if not placement.resident else "in host memory"
@@ -88,7 +88,7 @@ def _low_precision_params(state: Any, module: torch.nn.Module) -> list[torch.Ten
 
 
 def _gradients(state: Any) -> list[torch.Tensor]:
-    sync = state.grad_sync
+    sync = state._grad_sync
     if isinstance(state, Stage3State):
         return [unit.grad_shard for unit in state.units if unit.grad_shard is not None]
     views = _grads_of(state.params)
@@ -105,7 +105,7 @@ def prepare(state: Any) -> None:
     """Before a move: let gradient reductions still writing into the buffers finish (stage 0's all-reduces of a
     boundary backward; stage 2's last buckets, whose round is then closed early -- the same reductions in the same
     order as at the step), and release stage 3's gathered units so that their full buffers are freed."""
-    sync = state.grad_sync
+    sync = state._grad_sync
     if isinstance(sync, AllReduceGradSync):
         sync.wait_in_flight()
     elif isinstance(sync, BucketedReduceGradSync):
@@ -119,8 +119,8 @@ def drop_scratch(state: Any) -> int:
     if isinstance(state, Stage3State):
         pools = {id(unit.buffers): unit.buffers for unit in state.units}  # (the units share one pool)
         return sum(pool.clear() for pool in pools.values())
-    if isinstance(state.grad_sync, BucketedReduceGradSync):
-        return state.grad_sync.release_scratch()
+    if isinstance(state._grad_sync, BucketedReduceGradSync):
+        return state._grad_sync.release_scratch()
     return 0  # stages 0 and 1 keep no scratch: their buckets are the gradients (lp_grads)
 
 

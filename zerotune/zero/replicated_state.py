@@ -16,12 +16,13 @@ import torch.distributed as dist
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import MasterWeights
 from zerotune.zero.allreduce_sync import AllReduceGradSync
+from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
 from zerotune.zero.held import HeldPiece, HeldStateDict
 
 
-class ReplicatedState(HeldStateDict, ParamFragments):
+class ReplicatedState(HeldStateDict, ParamFragments, ZeroStage):
     """Full fp32 masters (or the parameters themselves in fp32) and the all-reduce gradient sync."""
 
     def __init__(self, weights: MasterWeights, grad_sync: AllReduceGradSync,
@@ -31,8 +32,8 @@ class ReplicatedState(HeldStateDict, ParamFragments):
         self.policy = policy = weights.policy
         self.weights = weights
         self.separate = policy.mixed
-        self.placement = MasterPlacement()  # stage 0 keeps masters with the parameters
-        self.grad_sync = grad_sync
+        self._placement = MasterPlacement()  # stage 0 keeps masters with the parameters
+        self._grad_sync = grad_sync
         self._model_groups: list[dist.ProcessGroup] = []
         self._norm_skip: list[list[tuple[int, int]]] | None = None
         if model_parallel_norm is not None:
@@ -47,10 +48,11 @@ class ReplicatedState(HeldStateDict, ParamFragments):
     def masters(self) -> list[torch.nn.Parameter]:
         return self.weights.masters
 
-    units: list = []
-    """No partitioned units below stage 3."""
-    shards_masters = False
-    """Every rank holds every master whole."""
+    shards_masters = False  # every rank holds every master whole
+
+    def use_local_gradients(self, enabled: bool) -> None:
+        """OneBitAdam after its warm-up steps on each rank's own gradient: the all-reduce is skipped."""
+        self._grad_sync.use_local_gradients(enabled)
 
     def master_pieces(self) -> list[list[HeldPiece]]:
         """Master i is the whole of trainable parameter i."""
@@ -67,14 +69,14 @@ class ReplicatedState(HeldStateDict, ParamFragments):
 
     def master_grads(self) -> list[torch.Tensor]:
         """Each parameter's fp32 gradient (a view of its bucket)."""
-        return [self.grad_sync.grad_of(p) for p in self.params]
+        return [self._grad_sync.grad_of(p) for p in self.params]
 
     def step_grads(self) -> list[torch.Tensor]:
         return self.master_grads()
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        if self.grad_sync.local_only:  # per-rank gradients: the root mean square of the ranks' norms, the same
-            group = self.grad_sync.group  # on every rank, so clipping and overflow skips stay in step
+        if self._grad_sync.local_only:  # per-rank gradients: the root mean square of the ranks' norms, the same
+            group = self._grad_sync.group  # on every rank, so clipping and overflow skips stay in step
             world = 1 if group is None else dist.get_world_size(group)
             return global_grad_norm(grads, shard_group=group, model_groups=self._model_groups,
                                     skip=self._norm_skip) / math.sqrt(world)
@@ -83,7 +85,7 @@ class ReplicatedState(HeldStateDict, ParamFragments):
         return torch.nn.utils.get_total_norm(grads, 2.0, foreach=True).item() if grads else 0.0
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
-        self.placement.attach(self.masters, grads, coefficient)
+        self._placement.attach(self.masters, grads, coefficient)
 
     def update_model(self) -> None:
         self.weights.copy_to_model()
@@ -93,7 +95,7 @@ class ReplicatedState(HeldStateDict, ParamFragments):
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str:
         for param in self.params:
-            if not torch.isfinite(self.grad_sync.grad_of(param)).all():
+            if not torch.isfinite(self._grad_sync.grad_of(param)).all():
                 return names.get(id(param), "<unnamed>")
         return "<none found>"
 
@@ -104,6 +106,6 @@ class ReplicatedState(HeldStateDict, ParamFragments):
         return 0  # parameters are whole on every rank: counted from the module
 
     def zero_grad(self) -> None:
-        self.grad_sync.zero_grad()
+        self._grad_sync.zero_grad()
         for master in self.masters:
             master.grad = None

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from zerotune.distributed import comm
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
+from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.flat_params import FlatParamGroup
 from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
@@ -49,8 +50,10 @@ def _range_writer(shard: torch.Tensor):
     return write
 
 
-class ShardedState(HeldStateDict, ParamFragments):
+class ShardedState(HeldStateDict, ParamFragments, ZeroStage):
     """Flat parameters + master shards of every param group, and the step phases that use them."""
+
+    shards_masters = True
 
     def __init__(self, group_params: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
                  group: dist.ProcessGroup | None, *, allgather_bucket_numel: int,
@@ -63,8 +66,8 @@ class ShardedState(HeldStateDict, ParamFragments):
         ``stage_grads`` (host offload at stage 2): ``on_final_grad`` copies each gradient part to the host
         as soon as its bucket is reduced, while backward goes on."""
         self.policy = policy
-        self.placement = placement or MasterPlacement()
-        self.separate = self.placement.separate_masters(policy.mixed)
+        self._placement = placement or MasterPlacement()
+        self.separate = self._placement.separate_masters(policy.mixed)
         self.group = group
         self.rank = 0 if group is None else dist.get_rank(group)
         world = 1 if group is None else dist.get_world_size(group)
@@ -77,17 +80,17 @@ class ShardedState(HeldStateDict, ParamFragments):
             fg = FlatParamGroup(params, world, self.rank, dtype=policy.param_dtype)
             self.flat_groups.append(fg)
             # fp32 without offload: the master shard *is* the model's slice (a view); else a separate fp32 copy.
-            master = self.placement.place(fp32_slice) if self.separate else fg.owned
+            master = self._placement.place(fp32_slice) if self.separate else fg.owned
             self.masters.append(torch.nn.Parameter(master))
         if self.separate:
-            self.placement.adopt(self.masters, [_range_writer(fg.owned) for fg in self.flat_groups])
+            self._placement.adopt(self.masters, [_range_writer(fg.owned) for fg in self.flat_groups])
         on_final_grad = None
         if stage_grads:
             real = [max(0, min(fg.layout.owned_range(fg.rank)[1], fg.layout.total) - fg.layout.owned_range(fg.rank)[0])
                     for fg in self.flat_groups]
-            self.placement.enable_staging(self.masters, real)
-            on_final_grad = self.placement.stage
-        self.grad_sync = make_grad_sync(self.flat_groups, on_final_grad)
+            self._placement.enable_staging(self.masters, real)
+            on_final_grad = self._placement.stage
+        self._grad_sync = make_grad_sync(self.flat_groups, on_final_grad)
         self._model_groups: list[dist.ProcessGroup] = []
         self._norm_skip: list[list[tuple[int, int]]] | None = None
         if model_parallel_norm is not None:  # a part another model-parallel rank counts is skipped here
@@ -116,34 +119,34 @@ class ShardedState(HeldStateDict, ParamFragments):
     def optimizer_groups(self, groups: Sequence[dict]) -> list[dict]:
         """The user's param groups (hyperparameters kept) with their master shard as the only parameter."""
         return [{**{k: v for k, v in group.items() if k != "params"},
-                 "params": self.placement.optimizer_params(index, master)}
+                 "params": self._placement.optimizer_params(index, master)}
                 for index, (group, master) in enumerate(zip(groups, self.masters))]
 
     def step_grads(self) -> list[torch.Tensor]:
         """fp32 gradients of the master shards (a transient fp32 copy when training in bf16/fp16; the host
         copies made during backward with host offload at stage 2)."""
-        staged = self.placement.staged_grads()
+        staged = self._placement.staged_grads()
         if staged is not None:
             return staged
-        if self.placement.streams_grads:  # converted chunk by chunk in the step
+        if self._placement.streams_grads:  # converted chunk by chunk in the step
             return self.master_grads()
         return [grad.float() for grad in self.master_grads()]
 
     def master_grads(self) -> list[torch.Tensor]:
         """Each group's gradient slice, in the parameters' dtype (complete after ``grad_sync.finish``)."""
-        return [self.grad_sync.shard_grad(g) for g in range(len(self.flat_groups))]
+        return [self._grad_sync.shard_grad(g) for g in range(len(self.flat_groups))]
 
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         return global_grad_norm(grads, shard_group=self.group, model_groups=self._model_groups, skip=self._norm_skip)
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
-        self.placement.attach(self.masters, grads, coefficient)
+        self._placement.attach(self.masters, grads, coefficient)
 
     @torch.no_grad()
     def update_model(self) -> None:
         """Round the updated master slices into the flat parameters, then all-gather every rank's slice."""
         for fg, master in zip(self.flat_groups, self.masters):
-            if self.separate and self.placement.resident:  # (NVMe offload rounded each chunk as it stepped)
+            if self.separate and self._placement.resident:  # (NVMe offload rounded each chunk as it stepped)
                 fg.owned.copy_(master, non_blocking=master.is_pinned())  # ordered before the all-gather (same stream)
             fg.all_gather(self.group, self.allgather_bucket_numel)
 
@@ -152,16 +155,16 @@ class ShardedState(HeldStateDict, ParamFragments):
         """Refresh the master slices from the model (after loading weights into the module only)."""
         if self.separate:
             for index, (fg, master) in enumerate(zip(self.flat_groups, self.masters)):
-                if self.placement.resident:
+                if self._placement.resident:
                     master.copy_(fg.owned)
                 else:
-                    self.placement.refresh(index, fg.owned)
+                    self._placement.refresh(index, fg.owned)
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str:
         """Name of the first parameter (in model order, over all ranks' slices) with an inf/nan gradient."""
         local = None
         for g, fg in enumerate(self.flat_groups):
-            grad = self.grad_sync.shard_grad(g)
+            grad = self._grad_sync.shard_grad(g)
             start = fg.layout.owned_range(fg.rank)[0]
             for piece in fg.layout.owned_pieces(fg.rank):
                 part = grad[piece.flat_offset - start:piece.flat_offset - start + piece.length]
@@ -180,7 +183,7 @@ class ShardedState(HeldStateDict, ParamFragments):
         return 0  # parameters are whole on every rank: counted from the module
 
     def zero_grad(self) -> None:
-        self.grad_sync.zero_grad()
-        self.placement.clear_staging()
+        self._grad_sync.zero_grad()
+        self._placement.clear_staging()
         for master in self.masters:
             master.grad = None

@@ -20,11 +20,14 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm, compression
 from zerotune.distributed.streams import phase, streams_for
+from zerotune.zero.contracts import TiedWeight
 from zerotune.zero.flat_params import FlatParamGroup
 
 
 class ReduceAtBoundaryGradSync:
     """Full local gradients; one bucketed reduce-scatter per optimizer step."""
+
+    reduces_every_backward = False
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], group: dist.ProcessGroup | None, *,
                  bucket_numel: int, predivide_factor: float = 1.0,
@@ -53,8 +56,17 @@ class ReduceAtBoundaryGradSync:
                 if param.grad is None:
                     param.grad = view
 
-    def finish(self) -> None:
-        """Reduce-scatter each group's gradients; afterwards ``shard_grad(g)`` is this rank's mean gradient."""
+    def finish(self, ties: Sequence[TiedWeight] = ()) -> None:
+        """Reduce-scatter each group's gradients; afterwards ``shard_grad(g)`` is this rank's mean gradient. A tied
+        weight's gradient is summed over the pipeline stages holding it first, while every rank holds it whole
+        (in ``param.grad``); summing and averaging commute."""
+        if ties and self._reduced:
+            raise RuntimeError("ZeRO stage 1: tied weights' gradients must be summed before the reduce-scatter, "
+                               "which settle() already ran")
+        for param, group in ties:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            comm.all_reduce(param.grad, group)
         if self._reduced:  # (done already: ``settle`` ran ahead of the step)
             return
         self._due, self._reduced = False, True

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from zerotune.distributed import comm, compression
 from zerotune.distributed.buckets import Bucket, BucketPiece, GradientBuckets
 from zerotune.distributed.streams import DeferredRelease, phase, streams_for
+from zerotune.zero.contracts import TiedWeight
 from zerotune.zero.flat_params import FlatParamGroup
 from zerotune.zero.grad_hooks import register_grad_ready_hooks
 from zerotune.zero.partition import split_at_owner_boundaries
@@ -62,6 +63,8 @@ def plan_buckets(flat_groups: Sequence[FlatParamGroup], bucket_numel: int,
 
 class BucketedReduceGradSync:
     """Only the owner keeps a gradient slice; buckets are reduced to it as backward runs."""
+
+    reduces_every_backward = True
 
     def __init__(self, flat_groups: Sequence[FlatParamGroup], group: dist.ProcessGroup | None, *,
                  bucket_numel: int, position: dict[int, int], predivide_factor: float = 1.0,
@@ -163,10 +166,13 @@ class BucketedReduceGradSync:
         del self._free_buffers[max(1, self.max_in_flight):]  # keep a few for reuse, not a whole model's worth
         self._round_open = False
 
-    def finish(self) -> None:
-        """Complete the boundary micro-step's reductions; ``shard_grad(g)`` then holds the mean gradient."""
+    def finish(self, ties: Sequence[TiedWeight] = ()) -> None:
+        """Complete the boundary micro-step's reductions; ``shard_grad(g)`` then holds the mean gradient, and each
+        tied weight's slices the sum over the pipeline stages holding it (``sum_full_grad_over``)."""
         if self._round_open:
             self._complete_round()
+        for param, group in ties:
+            self.sum_full_grad_over(param, group)
 
     def settle(self) -> None:
         """Finish the reductions still in flight (the step's ``finish`` then has none left): every micro-step's

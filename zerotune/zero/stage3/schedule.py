@@ -32,6 +32,7 @@ from torch.autograd.graph import register_multi_grad_hook
 
 from zerotune.distributed import comm
 from zerotune.distributed.streams import streams_for
+from zerotune.zero.contracts import TiedWeight
 from zerotune.zero.grad_hooks import register_grad_ready_hooks
 from zerotune.zero.stage3.unit import ParamUnit
 
@@ -68,6 +69,8 @@ def _in_backward() -> bool:
 
 class UnitScheduler:
     """Owns the hooks; also the engine's gradient-sync strategy for stage 3."""
+
+    reduces_every_backward = True
 
     def __init__(self, units: Sequence[ParamUnit], *, prefetch_numel: int, max_live_numel: int,
                  predivide_factor: float = 1.0, max_in_flight: int = 2, comm_dtype: torch.dtype | None = None,
@@ -350,8 +353,10 @@ class UnitScheduler:
         """Every micro-step reduce-scatters (accumulating full gradients would cost their memory)."""
         self._boundary = is_boundary
 
-    def finish(self) -> None:
+    def finish(self, ties: Sequence[TiedWeight] = ()) -> None:
         """Gradients are complete when backward returns (the end-of-backward callback waited for them)."""
+        if ties:
+            raise NotImplementedError("ZeRO stage 3 with weights tied across pipeline stages is not supported")
 
     def settle(self) -> None:
         """Nothing to finish ahead of the step: every micro-step's backward ends with its gradients reduced."""

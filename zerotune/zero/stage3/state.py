@@ -19,6 +19,7 @@ import torch.distributed as dist
 from zerotune.distributed import comm
 from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
+from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import global_grad_norm
 from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
@@ -43,19 +44,22 @@ def _group_ranges(unit: ParamUnit, group_of: dict[int, int], n_groups: int) -> l
     return ranges
 
 
-class Stage3State(HeldStateDict, ParamFragments):
+class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
     """Masters, optimizer groups and step phases over partitioned units (the engine's state interface)."""
+
+    partitions_weights = True
+    shards_masters = True
 
     def __init__(self, trainable_groups: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
                  group: dist.ProcessGroup | None, placement: MasterPlacement | None = None) -> None:
-        """Empty; ``add_unit`` each unit as it is built, then ``finish`` (the masters of a unit are taken,
+        """Empty; ``add_unit`` each unit as it is built, then ``start_schedule`` (the masters of a unit are taken,
         the unit cast and possibly swapped out before the next is built, so memory holds one at a time)."""
         self.units: list[ParamUnit] = []
         self.policy = policy
-        self.placement = placement or MasterPlacement()
-        self.separate = self.placement.separate_masters(policy.mixed)
+        self._placement = placement or MasterPlacement()
+        self.separate = self._placement.separate_masters(policy.mixed)
         self.group = group
-        self.grad_sync: UnitScheduler | None = None
+        self._grad_sync: UnitScheduler | None = None
         self._groups = [list(g) for g in trainable_groups]
         self._group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
         self.master_flats: dict[int, torch.Tensor] = {}
@@ -66,7 +70,7 @@ class Stage3State(HeldStateDict, ParamFragments):
         """Take the unit's masters (its fp32 values, before the cast), then cast it to the model dtype."""
         self.units.append(unit)
         if unit.trainable is not None:
-            flat = self.placement.place(unit.trainable.local) if self.separate else unit.trainable.local
+            flat = self._placement.place(unit.trainable.local) if self.separate else unit.trainable.local
             first = len(self._slots)
             for g, (lo, hi) in enumerate(_group_ranges(unit, self._group_of, len(self._groups))):
                 if hi > lo:
@@ -74,14 +78,14 @@ class Stage3State(HeldStateDict, ParamFragments):
                     self.masters.append(torch.nn.Parameter(flat[lo:hi]))
             if self.separate:
                 slots = range(first, len(self._slots))
-                self.placement.adopt(self.masters[first:], [lambda lo, values, slot=i: self._write_shard(slot, lo, values)
+                self._placement.adopt(self.masters[first:], [lambda lo, values, slot=i: self._write_shard(slot, lo, values)
                                                            for i in slots])
                 unit.trainable.on_local_changed.append(lambda u=unit: self._refresh_masters(u))
-            if self.placement.resident:  # (else the values live in the placement's files)
+            if self._placement.resident:  # (else the values live in the placement's files)
                 self.master_flats[id(unit)] = flat
         unit.cast_(self.policy.param_dtype)
 
-    def finish(self, make_scheduler: Callable[[Callable[[ParamUnit], None]], UnitScheduler]) -> None:
+    def start_schedule(self, make_scheduler: Callable[[Callable[[ParamUnit], None]], UnitScheduler]) -> None:
         """Every rank keeps every optimizer group, if only with an empty master; ``make_scheduler(on_final_grad)``
         builds the units' scheduler, whose ``on_final_grad`` copies each unit's final gradient to the host (host
         offload) as soon as its last reduce-scatter is done."""
@@ -89,7 +93,7 @@ class Stage3State(HeldStateDict, ParamFragments):
             if not any(slot[0] == g for slot in self._slots):
                 self._slots.append((g, None, 0, 0))
                 self.masters.append(torch.nn.Parameter(torch.zeros(0, dtype=torch.float32)))
-        self.placement.enable_staging(self.masters, [hi - lo for _, _, lo, hi in self._slots])
+        self._placement.enable_staging(self.masters, [hi - lo for _, _, lo, hi in self._slots])
         slots_of: dict[int, list[int]] = {}
         for index, (_, unit, _, _) in enumerate(self._slots):
             if unit is not None:
@@ -98,8 +102,21 @@ class Stage3State(HeldStateDict, ParamFragments):
         def stage(unit: ParamUnit) -> None:
             for index in slots_of.get(id(unit), []):
                 _, _, lo, hi = self._slots[index]
-                self.placement.stage(index, 0, unit.grad_shard[lo:hi])
-        self.grad_sync = make_scheduler(stage)
+                self._placement.stage(index, 0, unit.grad_shard[lo:hi])
+        self._grad_sync = make_scheduler(stage)
+
+    def release_gathered(self) -> None:
+        for unit in self.units:
+            unit.release()
+
+    def detach_forward_hooks(self) -> None:
+        self._grad_sync.detach_forward_hooks()
+
+    def attach_forward_hooks(self) -> None:
+        self._grad_sync.attach_forward_hooks()
+
+    def forward_hook_handles(self) -> list:
+        return list(self._grad_sync.forward_hooks)
 
     def _write_shard(self, slot: int, lo: int, values: torch.Tensor) -> None:
         """Round ``values`` into master ``slot``'s part of its unit's shard, at offset ``lo``."""
@@ -110,12 +127,12 @@ class Stage3State(HeldStateDict, ParamFragments):
     @torch.no_grad()
     def _refresh_masters(self, unit: ParamUnit) -> None:
         local = unit.trainable.read_local()
-        if self.placement.resident:
+        if self._placement.resident:
             self.master_flats[id(unit)].copy_(local)
             return
         for slot, (_, owner, lo, hi) in enumerate(self._slots):
             if owner is unit:
-                self.placement.refresh(slot, local[lo:hi])
+                self._placement.refresh(slot, local[lo:hi])
 
     @property
     def params(self) -> list[torch.nn.Parameter]:
@@ -142,17 +159,17 @@ class Stage3State(HeldStateDict, ParamFragments):
         """The user's param groups (hyperparameters kept) with this rank's master slices as parameters."""
         return [{**{k: v for k, v in group.items() if k != "params"},
                  "params": [p for slot, ((g, *_), m) in enumerate(zip(self._slots, self.masters)) if g == index
-                            for p in self.placement.optimizer_params(slot, m)]}
+                            for p in self._placement.optimizer_params(slot, m)]}
                 for index, group in enumerate(groups)]
 
     def step_grads(self) -> list[torch.Tensor]:
         """fp32 gradients of the masters (a transient fp32 copy when training in bf16/fp16; the host copies
         made during backward with host offload)."""
-        staged = self.placement.staged_grads()
+        staged = self._placement.staged_grads()
         if staged is not None:
             return staged
         grads = self.master_grads()
-        return grads if self.placement.streams_grads else [g.float() for g in grads]  # (NVMe: chunk by chunk)
+        return grads if self._placement.streams_grads else [g.float() for g in grads]  # (NVMe: chunk by chunk)
 
     def master_grads(self) -> list[torch.Tensor]:
         """Each master's part of its unit's reduced gradient shard, in the model dtype (complete after backward)."""
@@ -176,16 +193,16 @@ class Stage3State(HeldStateDict, ParamFragments):
         return global_grad_norm(grads, shard_group=self.group)
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
-        self.placement.attach(self.masters, grads, coefficient)
+        self._placement.attach(self.masters, grads, coefficient)
 
     @torch.no_grad()
     def update_model(self) -> None:
         """Round the masters into the shards; units gather the new values when next used."""
-        if self.separate and self.placement.resident:  # (NVMe offload rounded each chunk as it stepped)
+        if self.separate and self._placement.resident:  # (NVMe offload rounded each chunk as it stepped)
             for unit in self.units:
                 if unit.trainable is not None:
                     unit.trainable.overwrite_local(self.master_flats[id(unit)], notify=False)
-        self.grad_sync.after_step()
+        self._grad_sync.after_step()
 
     @torch.no_grad()
     def reload_from_model(self) -> None:
@@ -194,7 +211,7 @@ class Stage3State(HeldStateDict, ParamFragments):
             for unit in self.units:
                 if unit.trainable is not None:
                     self._refresh_masters(unit)
-        self.grad_sync.after_step()
+        self._grad_sync.after_step()
 
     def first_nonfinite_param(self, names: dict[int, str]) -> str:
         """Name of the first parameter (unit order, over all ranks' slices) with an inf/nan gradient."""
@@ -220,7 +237,7 @@ class Stage3State(HeldStateDict, ParamFragments):
         return sum(s.local_bytes() for u in self.units for s in u.segments)
 
     def zero_grad(self) -> None:
-        self.grad_sync.zero_grad()
-        self.placement.clear_staging()
+        self._grad_sync.zero_grad()
+        self._placement.clear_staging()
         for master in self.masters:
             master.grad = None
