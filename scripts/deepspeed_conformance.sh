@@ -10,7 +10,8 @@
 # (shell globs, e.g. 'runtime/zero/*' 'checkpoint/*'); none selects every module. Each module runs in its
 # own pytest process under `timeout` (default 900 s): a hang costs one module, not the run.
 #
-# Both sides run on CPU with LOCAL_SIZE=4, which DeepSpeed's CPU accelerator and zerotune's both read
+# Both sides keep DeepSpeed's own pytest.ini (its marker filter: no nightly, sequential or inference
+# tests, as DeepSpeed's CPU CI runs them). Both sides run on CPU with LOCAL_SIZE=4, which DeepSpeed's CPU accelerator and zerotune's both read
 # as the device count, so the 2- and 4-process tests run instead of skipping. The tests are copied into
 # the work directory so no DeepSpeed source tree sits beside them: the zerotune side imports only the
 # alias (a fresh venv with `zerotune deepspeed-alias install`), the baseline only the installed wheel.
@@ -74,7 +75,7 @@ if [ "$report_only" = 0 ]; then
       start=$(date +%s)
       env LOCAL_SIZE=4 OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 CUDA_VISIBLE_DEVICES="" DS_UNITTEST_TIMEOUT=300 \
         timeout -k 10 "$timeout_s" "$work/$side/bin/python" -m pytest -q -p no:cacheprovider -p no:randomly \
-        -o addopts="" --junitxml="$xml" "$module" > "${xml%.xml}.log" 2>&1
+        --junitxml="$xml" "$module" > "${xml%.xml}.log" 2>&1
       rc=$?
       echo "$rc $(( $(date +%s) - start ))" > "${xml%.xml}.rc"
       printf '%-10s %-60s rc %3s  %4ss\n' "$side" "$module" "$rc" "$(( $(date +%s) - start ))"
