@@ -11,7 +11,8 @@
 # own pytest process under `timeout` (default 900 s): a hang costs one module, not the run.
 #
 # Both sides keep DeepSpeed's own pytest.ini (its marker filter: no nightly, sequential or inference
-# tests, as DeepSpeed's CPU CI runs them). Both sides run on CPU with LOCAL_SIZE=4, which DeepSpeed's CPU accelerator and zerotune's both read
+# tests, as DeepSpeed's CPU CI runs them). Both sides run on CPU with LOCAL_SIZE=4, which DeepSpeed's
+# CPU accelerator and zerotune's both read
 # as the device count, so the 2- and 4-process tests run instead of skipping. The tests are copied into
 # the work directory so no DeepSpeed source tree sits beside them: the zerotune side imports only the
 # alias (a fresh venv with `zerotune deepspeed-alias install`), the baseline only the installed wheel.
