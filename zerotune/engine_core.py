@@ -23,6 +23,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from zerotune.checkpoint.engine_state import load_engine_checkpoint, load_newest_checkpoint, save_engine_checkpoint
+from zerotune.checkpoint.train_state import CheckpointSettings, Counters, TrainState
 from zerotune.distributed import comm
 from zerotune.distributed.compression import CompressionStats, TopKCompressor
 from zerotune.distributed.streams import phase
@@ -271,6 +272,27 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
             self.training_dataloader.post_process_func = post_process_func
 
     # ---- checkpoints ---------------------------------------------------------------------
+    def train_state(self) -> TrainState:
+        """What a checkpoint saves and restores (``checkpoint/train_state.py``); ``apply_train_state`` takes back
+        what a load restored."""
+        return TrainState(
+            module=self.module, stage=self.state, optimizer=self.optimizer, lr_scheduler=self.lr_scheduler,
+            loss_scaler=self.loss_scaler, param_names=self.param_names, mesh=self.mesh, rank=self.global_rank,
+            world_size=self.world_size, device=self.device, precision=self.policy.name,
+            mixed_precision=self.policy.mixed, zero_stage=self.zero_optimization_stage(),
+            gradient_accumulation_steps=self.gradient_accumulation_steps(), config=self.config,
+            settings=CheckpointSettings(tag_validation=self._config.checkpoint.tag_validation,
+                                        keep_last=self._config.checkpoint.keep_last),
+            counters=Counters(self.global_steps, self.global_samples, self.micro_steps, self.skipped_steps),
+            curriculum=self.curriculum_state(), compressor=self.compressor)
+
+    def apply_train_state(self, train: TrainState) -> None:
+        """Take the counters and the curriculum's position a load restored."""
+        counters = train.counters
+        self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
+        self.micro_steps, self.skipped_steps = counters.micro_steps, counters.skipped_steps
+        self.load_curriculum_state(train.curriculum)
+
     def _checkpoint_dir(self, given: str | None, method: str) -> str:
         if given is not None and str(given) != "":
             return str(given)
@@ -284,8 +306,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         save the trainable weights and a fingerprint of the frozen base instead of the base; loading checks it."""
         self._require_on_device("save_checkpoint()")
         comm.guard_point("save_checkpoint", self.global_steps, self.micro_steps)
-        save_engine_checkpoint(self, self._checkpoint_dir(save_dir, "save_checkpoint"), tag, client_state or {},
-                               save_latest, exclude_frozen_parameters)
+        save_engine_checkpoint(self.train_state(), self._checkpoint_dir(save_dir, "save_checkpoint"), tag,
+                               client_state or {}, save_latest, exclude_frozen_parameters)
         return True
 
     def load_checkpoint(self, load_dir: str | None = None, tag: str | None = None, load_module_strict: bool = True,
@@ -295,10 +317,13 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         load_dir = self._checkpoint_dir(load_dir, "load_checkpoint")
         self._require_on_device("load_checkpoint()")
         comm.guard_point("load_checkpoint", self.global_steps, self.micro_steps)
-        return load_engine_checkpoint(self, load_dir, tag, load_module_strict=load_module_strict,
-                                      load_optimizer_states=load_optimizer_states,
-                                      load_lr_scheduler_states=load_lr_scheduler_states,
-                                      load_module_only=load_module_only)
+        train = self.train_state()
+        loaded = load_engine_checkpoint(train, load_dir, tag, load_module_strict=load_module_strict,
+                                        load_optimizer_states=load_optimizer_states,
+                                        load_lr_scheduler_states=load_lr_scheduler_states,
+                                        load_module_only=load_module_only)
+        self.apply_train_state(train)
+        return loaded
 
     def resume_newest_checkpoint(self, save_dir: str | None = None) -> tuple[str | None, dict | None]:
         """Load the newest complete, verified checkpoint in ``save_dir`` (default ``checkpoint.save_dir``),
@@ -306,7 +331,10 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         save_dir = self._checkpoint_dir(save_dir, "resume_newest_checkpoint")
         self._require_on_device("resume_newest_checkpoint()")
         comm.guard_point("resume_newest_checkpoint", self.global_steps, self.micro_steps)
-        return load_newest_checkpoint(self, save_dir)
+        train = self.train_state()
+        loaded = load_newest_checkpoint(train, save_dir)
+        self.apply_train_state(train)
+        return loaded
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:

@@ -1,4 +1,5 @@
-"""What each file of an engine checkpoint holds, and how each part is taken from and put back into an engine.
+"""What each file of an engine checkpoint holds, and how each part is taken from and put back into a train state
+(``train_state.py``).
 
 Layout of ``<save_dir>/<tag>/`` (written through ``checkpoint.atomic``):
 * ``model_states.pt``   (rank 0; ``model_states_stage{s}.pt`` per pipeline stage) module state dict by
@@ -20,50 +21,47 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from zerotune.checkpoint.atomic import CheckpointError
+from zerotune.checkpoint.train_state import TrainState
 from zerotune.parallel.tensor.state_dict import iter_full_tensors
 from zerotune.zero.stage3.sharded_param import sharded_param_of
-
-if TYPE_CHECKING:
-    from zerotune.engine_core import EngineCore as Engine
 
 MODEL_FILE_PATTERN = re.compile(r"model_states(_stage\d+)?\.pt")
 
 
-def stage_part(engine: Engine) -> str:
-    return "" if engine.mesh.size("pp") == 1 else f"_stage{engine.mesh.rank('pp')}"
+def stage_part(train: TrainState) -> str:
+    return "" if train.mesh.size("pp") == 1 else f"_stage{train.mesh.rank('pp')}"
 
 
-def model_file(engine: Engine) -> str:
+def model_file(train: TrainState) -> str:
     """One module file, or one per pipeline stage (each holds its own layers)."""
-    return f"model_states{stage_part(engine)}.pt"
+    return f"model_states{stage_part(train)}.pt"
 
 
 def compression_file(rank: int) -> str:
     return f"compression_rank{rank}.pt"
 
 
-def compression_state(engine: Engine) -> dict:
+def compression_state(train: TrainState) -> dict:
     """This rank's error-feedback state: Top-K residuals and OneBitAdam's worker / server errors."""
     state = {}
-    if engine.compressor is not None:
-        state["topk"] = engine.compressor.state_dict()
-    if hasattr(engine.optimizer, "error_state_dict"):
-        state["onebit"] = engine.optimizer.error_state_dict()
+    if train.compressor is not None:
+        state["topk"] = train.compressor.state_dict()
+    if hasattr(train.optimizer, "error_state_dict"):
+        state["onebit"] = train.optimizer.error_state_dict()
     return state
 
 
-def load_compression_state(engine: Engine, saved: dict) -> None:
-    if engine.compressor is not None and "topk" in saved:
-        engine.compressor.load_state_dict(saved["topk"], engine.device)
-    if hasattr(engine.optimizer, "load_error_state_dict") and "onebit" in saved:
-        engine.optimizer.load_error_state_dict(saved["onebit"], engine.device)
-        engine.state.use_local_gradients(engine.optimizer.takes_local_gradients)
+def load_compression_state(train: TrainState, saved: dict) -> None:
+    if train.compressor is not None and "topk" in saved:
+        train.compressor.load_state_dict(saved["topk"], train.device)
+    if hasattr(train.optimizer, "load_error_state_dict") and "onebit" in saved:
+        train.optimizer.load_error_state_dict(saved["onebit"], train.device)
+        train.stage.use_local_gradients(train.optimizer.takes_local_gradients)
 
 
 def rng_file(rank: int) -> str:
@@ -89,23 +87,23 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def module_state(engine: Engine) -> dict:
+def module_state(train: TrainState) -> dict:
     """The module's state dict without ZeRO-3-partitioned parameters (their shards are saved per rank);
     tensor-parallel shards joined into full tensors (a collective over the tp group)."""
-    items = [(key, value) for key, value in engine.module.state_dict(keep_vars=True).items()
+    items = [(key, value) for key, value in train.module.state_dict(keep_vars=True).items()
              if sharded_param_of(value) is None]
-    return dict(iter_full_tensors(items, engine.mesh.group("tp")))
+    return dict(iter_full_tensors(items, train.mesh.group("tp")))
 
 
-def frozen_names(engine: Engine) -> list[str]:
-    return [name for name, param in engine.module.named_parameters() if not param.requires_grad]
+def frozen_names(train: TrainState) -> list[str]:
+    return [name for name, param in train.module.named_parameters() if not param.requires_grad]
 
 
-def frozen_fingerprint(engine: Engine, module_state: dict) -> dict:
+def frozen_fingerprint(train: TrainState, module_state: dict) -> dict:
     """Names, shapes, dtypes and one SHA-256 of the frozen parameters' full values: what a checkpoint
     saved without the frozen base records, so a resume can tell it is the same base."""
     digest, shapes = hashlib.sha256(), {}
-    for name in frozen_names(engine):
+    for name in frozen_names(train):
         tensor = module_state[name].detach().contiguous().cpu()
         shapes[name] = [list(tensor.shape), str(tensor.dtype)]
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())
@@ -113,8 +111,8 @@ def frozen_fingerprint(engine: Engine, module_state: dict) -> dict:
     return {"shapes": shapes, "sha256": digest.hexdigest()}
 
 
-def check_frozen_base(engine: Engine, saved: dict, path: Path) -> None:
-    live = frozen_fingerprint(engine, module_state(engine))
+def check_frozen_base(train: TrainState, saved: dict, path: Path) -> None:
+    live = frozen_fingerprint(train, module_state(train))
     recorded = saved["frozen_fingerprint"]
     for name in sorted(set(live["shapes"]) | set(recorded["shapes"])):
         if live["shapes"].get(name) != recorded["shapes"].get(name):

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable
+from typing import Iterable
 
 import torch
 
 from zerotune.checkpoint.atomic import CheckpointError
+from zerotune.checkpoint.train_state import TrainState
 from zerotune.parallel.tensor.layout import (
     TPLayout,
     shard_tensor,
@@ -33,9 +34,6 @@ from zerotune.parallel.tensor.state_dict import full_shape
 from zerotune.zero.held import MASTER, OPTIM, WEIGHT, tp_of, weight_kind
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 
-if TYPE_CHECKING:
-    from zerotune.engine_core import EngineCore as Engine
-
 
 
 SHARD_FILE_PATTERN = re.compile(r"shard_rank\d+\.pt")
@@ -45,12 +43,12 @@ def shard_file(rank: int) -> str:
     return f"shard_rank{rank}.pt"
 
 
-def rank_pieces(engine: Engine, *, weights: bool, optimizer: bool) -> dict:
+def rank_pieces(train: TrainState, *, weights: bool, optimizer: bool) -> dict:
     """This rank's held pieces (``ZeroState.state_dict``): ``weights`` the partitioned weights (stage 3),
     ``optimizer`` the fp32 masters (mixed precision) and the optimizer state."""
     try:
-        return engine.state.state_dict(engine.optimizer if optimizer else None, engine.param_names,
-                                       weights=weights, masters=optimizer and engine.policy.mixed)
+        return train.stage.state_dict(train.optimizer if optimizer else None, train.param_names,
+                                       weights=weights, masters=optimizer and train.mixed_precision)
     except ValueError as error:
         raise CheckpointError(str(error)) from None
 
@@ -151,14 +149,14 @@ class PieceReader:
         return unshard_tensor(shards, TPLayout(dim, world, 0, full_size, parts))
 
 
-# ---- an engine against a reader: check first, then load -------------------------------------
-def _module_entries(engine: Engine, skip: set[str]) -> list[tuple[str, str, torch.Tensor]]:
+# ---- a train state against a reader: check first, then load -------------------------------------
+def _module_entries(train: TrainState, skip: set[str]) -> list[tuple[str, str, torch.Tensor]]:
     """``(state-dict key, name to look up, live tensor)`` of the module; a tied weight's second key looks up
     the name its parameter was saved under."""
     entries = []
-    for key, tensor in engine.module.state_dict(keep_vars=True).items():
+    for key, tensor in train.module.state_dict(keep_vars=True).items():
         if key not in skip:
-            entries.append((key, engine.param_names.get(id(tensor), key), tensor))
+            entries.append((key, train.param_names.get(id(tensor), key), tensor))
     return entries
 
 
@@ -166,13 +164,13 @@ def _lookup(reader: PieceReader, key: str, name: str) -> str:
     return key if reader.has(key, WEIGHT) or reader.has(key, MASTER) else name
 
 
-def check_fits(engine: Engine, reader: PieceReader, *, strict: bool, skip: set[str], with_optimizer: bool,
+def check_fits(train: TrainState, reader: PieceReader, *, strict: bool, skip: set[str], with_optimizer: bool,
                saved_groups: list | None) -> list[tuple[str, str]]:
-    """Refuse a checkpoint that does not fit this engine -- one line naming the first parameter whose name or
+    """Refuse a checkpoint that does not fit this train state -- one line naming the first parameter whose name or
     shape does not match -- and return the ``(name, kind)`` pieces this rank will read."""
     needed: list[tuple[str, str]] = []
     known: set[str] = set()
-    for key, name, tensor in _module_entries(engine, skip):
+    for key, name, tensor in _module_entries(train, skip):
         known.update((key, name))
         found = _lookup(reader, key, name)
         shape = reader.shape(found)
@@ -185,20 +183,20 @@ def check_fits(engine: Engine, reader: PieceReader, *, strict: bool, skip: set[s
             raise CheckpointError(f"{reader.directory} does not fit this model: '{key}' has shape {shape} in the "
                                   f"checkpoint and {tuple(full_shape(tensor))} in the model")
         needed.append((found, weight_kind(reader, found, tensor)))
-    if strict and engine.mesh.size("pp") == 1:  # (a pipeline stage holds only its own layers)
+    if strict and train.mesh.size("pp") == 1:  # (a pipeline stage holds only its own layers)
         unexpected = sorted(reader.names() - known - set(skip))
         if unexpected:
             raise CheckpointError(f"{reader.directory} does not fit this model: '{unexpected[0]}' is in the "
                                   "checkpoint but not in the model")
     if with_optimizer:
-        groups = engine.optimizer.param_groups
+        groups = train.optimizer.param_groups
         if saved_groups is not None and len(saved_groups) != len(groups):
             raise CheckpointError(f"{reader.directory} holds {len(saved_groups)} optimizer parameter groups; this "
                                   f"run has {len(groups)} (load_optimizer_states=False loads the weights only)")
         any_state = any(kind.startswith(OPTIM) for kinds in reader.kinds.values() for kind in kinds)
-        for pieces in engine.state.master_pieces():
+        for pieces in train.stage.master_pieces():
             for piece in pieces:
-                name = engine.param_names[id(piece.param)]
+                name = train.param_names[id(piece.param)]
                 keys = reader.optimizer_keys(name)
                 if any_state and not keys:
                     raise CheckpointError(f"{reader.directory} has no optimizer state for '{name}' (saved with "
@@ -208,21 +206,21 @@ def check_fits(engine: Engine, reader: PieceReader, *, strict: bool, skip: set[s
 
 
 @torch.no_grad()
-def load_weights(engine: Engine, reader: PieceReader, skip: set[str] = frozenset()) -> None:
+def load_weights(train: TrainState, reader: PieceReader, skip: set[str] = frozenset()) -> None:
     """Every weight and buffer of this rank, at its layout (checked by ``check_fits``): the module's own
     tensors here, the partitioned ones (stage 3) by the state; the masters follow the weights."""
-    for key, name, tensor in _module_entries(engine, skip):
+    for key, name, tensor in _module_entries(train, skip):
         found = _lookup(reader, key, name)
         if sharded_param_of(tensor) is not None or reader.shape(found) is None:
             continue
         tensor.data.copy_(reader.local(found, weight_kind(reader, found, tensor), tensor).view(tensor.shape))
-    engine.state.load_state_dict(reader, None, engine.param_names, skip=skip)
+    train.stage.load_state_dict(reader, None, train.param_names, skip=skip)
 
 
 @torch.no_grad()
-def load_optimizer_state(engine: Engine, reader: PieceReader, saved_groups: list | None) -> None:
+def load_optimizer_state(train: TrainState, reader: PieceReader, saved_groups: list | None) -> None:
     """The fp32 masters and optimizer state of every master this rank holds (``ZeroState.load_state_dict``),
     then the groups' settings."""
-    engine.state.load_state_dict(reader, engine.optimizer, engine.param_names, weights=False)
-    for group, saved in zip(engine.optimizer.param_groups, saved_groups or []):
+    train.stage.load_state_dict(reader, train.optimizer, train.param_names, weights=False)
+    for group, saved in zip(train.optimizer.param_groups, saved_groups or []):
         group.update({k: v for k, v in saved.items() if k != "params"})
