@@ -3,7 +3,8 @@
 Validates the recipe and fetches its bundled assets once, in this process, so a bad recipe is
 one clear line and ranks never race to download. Then, unless already under torchrun, starts
 ``launch.nproc_per_node`` ranks (and ``launch.nnodes`` nodes through a rendezvous) with
-torchrun's own API, each running ``zerotune.finetune.worker``.
+torchrun's own API, each running ``zerotune.finetune.worker``. A failed rank ends with a short summary
+(``failures.py``); a Ctrl-C with one line saying how to resume (``finetune/interrupt.py``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import os
 import sys
 
 from zerotune.config import ConfigError
+from zerotune.distributed.launcher_link import INTERRUPTED_STATUS
+from zerotune.finetune.interrupt import resume_hint
 
 
 def add_finetune_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -64,7 +67,12 @@ def run_finetune(args: argparse.Namespace) -> int:
     except (ConfigError, AssetError, DataError, ModelLoadError, NotImplementedError) as error:
         print(f"zerotune finetune: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"\nzerotune finetune: interrupted (SIGINT); {resume_hint(args)}", file=sys.stderr)
+        return INTERRUPTED_STATUS
     from torch.distributed import run as torchrun
+
+    from zerotune.cli.failures import launch_ranks
 
     launch = recipe.launch
     torchrun_args = [f"--nproc_per_node={launch.nproc_per_node}", f"--nnodes={launch.nnodes}",
@@ -81,9 +89,5 @@ def run_finetune(args: argparse.Namespace) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        torchrun.run(torchrun.parse_args(torchrun_args + ["-m", "zerotune.finetune.worker", *_worker_argv(args)]))
-    except Exception as error:  # torchrun's ChildFailedError already printed each rank's traceback
-        print(f"zerotune finetune: a rank failed ({type(error).__name__}); see its error above", file=sys.stderr)
-        return 1
-    return 0
+    parsed = torchrun.parse_args(torchrun_args + ["-m", "zerotune.finetune.worker", *_worker_argv(args)])
+    return launch_ranks(parsed, "zerotune finetune", on_interrupt=lambda: resume_hint(args))

@@ -8,6 +8,10 @@ OMP_NUM_THREADS is already set, since several ranks sharing cores otherwise over
 Two options of its own, given before the script: ``--as-deepspeed`` starts every rank through
 ``zerotune.compat.launch``, which installs the ``deepspeed`` import alias before the script runs
 (and passes ``--local_rank`` as DeepSpeed's launcher does; ``--no_local_rank`` turns that off).
+
+A failed job ends with a short summary (the rank that failed first, its one-line error, where the full
+tracebacks and torchrun's report were written: ``failures.py``), and ranks die with this process when it
+is killed (``distributed/launcher_link.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import os
 
 import torch
 from torch.distributed import run as torchrun
+
+from zerotune.cli.failures import launch_ranks
 
 OWN_FLAGS = ("--as-deepspeed", "--no_local_rank")
 
@@ -62,5 +68,4 @@ def run_launch(args: argparse.Namespace) -> int:
         launch_args = (["--no_local_rank"] if "--no_local_rank" in own else []) + (["-m"] if parsed.module else [])
         parsed.training_script_args = [*launch_args, parsed.training_script, *parsed.training_script_args]
         parsed.training_script, parsed.module = "zerotune.compat.launch", True
-    torchrun.run(parsed)
-    return 0
+    return launch_ranks(parsed, "zerotune run")

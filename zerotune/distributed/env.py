@@ -22,6 +22,8 @@ from types import TracebackType
 import torch
 import torch.distributed as dist
 
+from zerotune.distributed.launcher_link import bind_to_launcher
+
 DEFAULT_PORT = 29500
 
 
@@ -202,6 +204,7 @@ def init_distributed(
     dead rank turns into an error instead of a silent hang.
     """
     del auto_mpi_discovery, verbose, config  # accepted for DeepSpeed compatibility
+    bind_to_launcher()
     if dist.is_initialized():
         return current_env()
     if dist_init_required is False:

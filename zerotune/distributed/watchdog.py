@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zerotune.distributed.guard_stall import SPREAD_S, StallNotes
+from zerotune.distributed.launcher_link import record_error
 
 EXIT_STATUS = 75
 """Exit status of a process the watchdog ended (EX_TEMPFAIL: a restart may succeed)."""
@@ -141,6 +142,8 @@ class Watchdog:
                    f"is {timeout:g}): another rank stopped, died or issued other collectives. Every thread's Python "
                    f"stack follows; exiting with status {EXIT_STATUS}.\n")
         try:
+            record_error(f"watchdog: {entry.op} issued at {entry.site} did not complete within comm_timeout_s "
+                         f"({timeout:g} s)", message + "(every thread's stack: in this rank's output)")
             sys.stderr.write(message)
             sys.stderr.flush()
             faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
@@ -151,6 +154,7 @@ class Watchdog:
 
     def _fire_mismatch(self, verdict: str) -> None:
         try:
+            record_error(f"CollectiveMismatch: {verdict.splitlines()[0]}", verdict)
             sys.stderr.write(f"zerotune collective guard: rank {self.rank}: CollectiveMismatch: {verdict}\n"
                              f"exiting with status {MISMATCH_EXIT_STATUS}.\n")
             sys.stderr.flush()

@@ -23,6 +23,7 @@ from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
 from zerotune.finetune.console import quiet_libraries
 from zerotune.finetune.best import BEST_DIR, BestTracker, tracker_for
+from zerotune.finetune.interrupt import CHECKPOINTS, leave_quietly_on_interrupt
 from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
 from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
 from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_trained_model,
@@ -34,7 +35,6 @@ from zerotune.finetune.recipe_engine import fit_engine_to_run
 from zerotune.finetune.samples import EvalSamples, sample_conversations
 from zerotune.monitor.logging import log_rank0
 
-CHECKPOINTS = "checkpoints"
 SAMPLES = "samples.jsonl"
 
 
@@ -239,6 +239,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="zerotune.finetune.worker")).parse_args(argv)
+    leave_quietly_on_interrupt(args, int(os.environ.get("RANK", "0") or 0))
     run(args)  # init_distributed tears its process group down at exit
     return 0
 
