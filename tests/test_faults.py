@@ -115,6 +115,12 @@ STALLS = {
     "save on one rank between exchanges": (("--fault", "save-on-one-rank", "--at-step", "3", "--guard-interval", "2"),
                                            ["rank 1 waits at the collective guard before save_checkpoint (step 3, "
                                             "micro-step 3)", "rank 0 waits in all_reduce issued at zerotune/"]),
+    # Every rank averages its loss with a raw torch.distributed.all_reduce, brought under the guard; rank 1 skips
+    # it once and goes on to its next backward's guard point, while rank 0 waits in the all-reduce.
+    "raw torch.distributed collective skipped on one rank": (
+        ("--fault", "skip-raw-collective", "--guard-torch-distributed"),
+        ["rank 1 waits at the collective guard before backward (step 3, micro-step 3)",
+         "rank 0 waits in torch.distributed.all_reduce issued at train.py:"]),
 }
 
 

@@ -1,11 +1,14 @@
 """A small data-parallel training run that injects one fault on one rank (for tests/test_faults.py).
 
-    python train.py --fault sigstop|sigkill|raise|extra-collective|save-on-one-rank|none --rank-at-fault 1 \
-        --at-step 2 --comm-timeout 10 --guard-interval 1 --marker DIR
+    python train.py --fault sigstop|sigkill|raise|extra-collective|save-on-one-rank|skip-raw-collective|none \
+        --rank-at-fault 1 --at-step 2 --comm-timeout 10 --guard-interval 1 [--guard-torch-distributed] --marker DIR
 
 (``extra-collective``: the faulty rank all-reduces a tensor of its own the others never all-reduce;
-``save-on-one-rank``: it saves a checkpoint the others do not save. ``--guard-interval``: micro-steps per
-collective-guard exchange, as the guard sets it where exchanges cost over 1% of the time.)
+``save-on-one-rank``: it saves a checkpoint the others do not save; ``skip-raw-collective``: every rank
+averages its loss with a raw ``torch.distributed.all_reduce`` after each step, and the faulty rank skips
+it once. ``--guard-torch-distributed``: the script's own collectives go through the guard.
+``--guard-interval``: micro-steps per collective-guard exchange, as the guard sets it where exchanges cost
+over 1% of the time.)
 
 Run with RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT set. Before its fault, the faulty rank writes
 ``DIR/fault_time`` (the wall-clock time), so the test can measure how long the others take to end.
@@ -27,12 +30,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import zerotune  # noqa: E402
 from tests.models import make_mlp, mlp_batch  # noqa: E402
 from zerotune.distributed.guard import GUARD  # noqa: E402
+from zerotune.distributed.guard_torch import guard_torch_distributed  # noqa: E402
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--fault", choices=["sigstop", "sigkill", "raise", "extra-collective", "save-on-one-rank", "none"],
-                        default="none")
+    parser.add_argument("--fault", choices=["sigstop", "sigkill", "raise", "extra-collective", "save-on-one-rank",
+                                            "skip-raw-collective", "none"], default="none")
+    parser.add_argument("--guard-torch-distributed", action="store_true")
     parser.add_argument("--guard-interval", type=int, default=1)
     parser.add_argument("--rank-at-fault", type=int, default=1)
     parser.add_argument("--at-step", type=int, default=2)
@@ -46,8 +51,11 @@ def main() -> None:
               "zero_optimization": {"stage": args.stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
     GUARD.interval = args.guard_interval
+    if args.guard_torch_distributed:
+        guard_torch_distributed()
     for step in range(args.steps):
-        if step == args.at_step and engine.global_rank == args.rank_at_fault and args.fault != "none":
+        at_fault = step == args.at_step and engine.global_rank == args.rank_at_fault
+        if at_fault and args.fault not in ("none", "skip-raw-collective"):
             Path(args.marker, "fault_time").write_text(repr(time.time()))
             if args.fault == "sigstop":
                 os.kill(os.getpid(), signal.SIGSTOP)
@@ -60,8 +68,14 @@ def main() -> None:
             else:
                 raise RuntimeError(f"injected failure on rank {engine.global_rank} at step {step}")
         batch = mlp_batch(step, engine.global_rank, 2)
-        engine.backward(engine(**batch))
+        loss = engine(**batch)
+        engine.backward(loss)
         engine.step()
+        if args.fault == "skip-raw-collective":
+            if at_fault:
+                Path(args.marker, "fault_time").write_text(repr(time.time()))
+            else:
+                torch.distributed.all_reduce(loss.detach().clone())
     engine.destroy()
     print(f"rank {engine.global_rank} finished", flush=True)
 

@@ -21,7 +21,8 @@ structure) at ``initialize``, so ranks started differently fail before their fir
 
 What it cannot see: collectives of different size inside one phase (gloo aborts those before the next
 guard point) and a rank that waits in a user collective while the others wait at a guard point (the
-watchdog ends that after ``comm_timeout_s``). Config key ``collective_guard`` (default on) turns it off.
+watchdog ends that after ``comm_timeout_s``, unless ``guard_torch.py`` brings the script's own
+``torch.distributed`` calls under the guard). Config key ``collective_guard`` (default on) turns it off.
 """
 
 from __future__ import annotations
@@ -330,7 +331,8 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-_LAYER_FILES = ("distributed/comm.py", "zerotune/comm.py", "distributed/guard.py", "contextlib.py")
+_LAYER_FILES = ("distributed/comm.py", "zerotune/comm.py", "distributed/guard.py", "distributed/guard_torch.py",
+                "contextlib.py")
 
 
 def call_site() -> str:
