@@ -41,7 +41,8 @@ class EngineCompile:
         if self.zero_optimization_partition_weights():
             raise NotImplementedError("engine.compile at ZeRO stage 3 is not supported yet: a compiled graph saves the "
                                       "gathered parameters for its backward, and stage 3 frees and refills them in "
-                                      "between (DeepSpeed needs DeepCompile for the same reason); compile at stages 0-2")
+                                      "between (DeepSpeed needs DeepCompile for the same reason); compile at "
+                                      "stages 0-2")
         kwargs = dict(compile_kwargs or {})
         if "backend" in kwargs:
             log_rank0("engine.compile: the backend in compile_kwargs (%r) is overridden by backend=%r",
@@ -60,7 +61,8 @@ class EngineCompile:
         return self._compiled_with is not None
 
     def is_deepcompile_enabled(self) -> bool:
-        """DeepSpeed's query; always False: zerotune has no DeepCompile (``"compile": {"deepcompile": true}`` is refused)."""
+        """DeepSpeed's query; always False: zerotune has no DeepCompile (``"compile": {"deepcompile": true}`` is
+        refused)."""
         return False
 
     def is_deepcompile_active(self) -> bool:

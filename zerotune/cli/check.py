@@ -12,7 +12,6 @@ from typing import Any, Optional, Sequence
 
 from zerotune.config import ConfigError, format_resolved, load_config, resolve_config
 
-
 DESCRIPTION = "Validate a DeepSpeed-style config (JSON or YAML) and print every resolved value with its source."
 
 

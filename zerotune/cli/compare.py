@@ -94,8 +94,8 @@ def run_compare(args: argparse.Namespace) -> int:
     text = f"{table}\n\nrecipe: {args.recipe}; peak lr: {lr_note}; overrides: {' '.join(overrides) or 'none'}\n"
     output.mkdir(parents=True, exist_ok=True)
     (output / "compare.md").write_text(text)
-    (output / "compare.json").write_text(json.dumps({"rows": rows, "metric": metric, "lr": {m: lrs.get(m, recipe.train.lr)
-                                                     for m in methods}}, indent=2))
+    lr_by_method = {m: lrs.get(m, recipe.train.lr) for m in methods}
+    (output / "compare.json").write_text(json.dumps({"rows": rows, "metric": metric, "lr": lr_by_method}, indent=2))
     plot_curves(runs, metric, output / "curves.png")
     print(text + f"written: {output / 'compare.md'}, {output / 'compare.json'}, {output / 'curves.png'}")
     return 0 if all(r.error is None for r in runs) else 1

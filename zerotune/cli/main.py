@@ -1,5 +1,5 @@
-"""The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model, ``report`` a run,
-``generate`` / ``chat`` with its result, ``export`` a checkpoint, ``compare-methods`` of fine-tuning,
+"""The ``zerotune`` command: ``check`` a config, ``run`` a script on several ranks, ``finetune`` a model,
+``report`` a run, ``generate`` / ``chat`` with its result, ``export`` a checkpoint, ``compare-methods`` of fine-tuning,
 ``plan`` a layout's memory, ``deepspeed-alias`` to make ``import deepspeed`` zerotune in every process
 of the environment."""
 

@@ -42,7 +42,8 @@ def add_plan_parser(subparsers: Any) -> None:
     parser.add_argument("--world-size", type=int, required=True,
                         help="ranks in all (data parallel x the config's tensor-parallel size x pipeline stages x "
                              "sequence-parallel size)")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes the ranks are spread over (host memory is per node)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="nodes the ranks are spread over (host memory is per node)")
     parser.add_argument("--device-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
     parser.add_argument("--host-memory", default=None, help="host memory of one node, for offload")
     parser.add_argument("--seq-len", type=int, default=2048, help="tokens per example (default 2048)")
@@ -54,7 +55,8 @@ def add_plan_parser(subparsers: Any) -> None:
                              "stage, offload, activation checkpointing and micro-batch for the config's global batch "
                              "(also when the config says \"stage\": \"auto\"): the fastest layout that fits, by the "
                              "cost model")
-    parser.add_argument("--flops", default="400e12", help="dense 16-bit flop/s of one device, for --auto (default 400e12)")
+    parser.add_argument("--flops", default="400e12",
+                        help="dense 16-bit flop/s of one device, for --auto (default 400e12)")
     parser.add_argument("--bandwidth", default="50GB", help="collective bandwidth per rank per second, for --auto "
                                                            "(default 50GB)")
     parser.add_argument("--intra-node-bandwidth", default="300GB", help="bytes per second between the ranks of a "
@@ -78,7 +80,8 @@ def _config_keys(best: Any) -> str:
     """The chosen layout as the config keys that say it."""
     layout = best.layout
     keys = [f'"zero_optimization": {{"stage": {layout.stage}'
-            + (f', "offload_optimizer": {{"device": "{layout.offload_optimizer}"}}' if layout.offload_optimizer != "none" else "")
+            + (f', "offload_optimizer": {{"device": "{layout.offload_optimizer}"}}'
+               if layout.offload_optimizer != "none" else "")
             + (f', "offload_param": {{"device": "{layout.offload_param}"}}' if layout.offload_param != "none" else "")
             + "}", f'"train_micro_batch_size_per_gpu": {layout.micro_batch}',
             f'"gradient_accumulation_steps": {layout.gas}']
@@ -88,8 +91,9 @@ def _config_keys(best: Any) -> str:
         keys.append(f'"pipeline": {{"stages": {layout.pp}}}')
     if layout.sp > 1:
         keys.append(f'"sequence_parallel_size": {layout.sp}')
-    return ", ".join(keys) + ("; and checkpoint every block (zerotune.checkpointing.apply_activation_checkpointing(model)"
-                              " or model.gradient_checkpointing_enable())" if best.checkpointing else "")
+    return ", ".join(keys) + ("; and checkpoint every block (zerotune.checkpointing."
+                              "apply_activation_checkpointing(model) or model.gradient_checkpointing_enable())"
+                              if best.checkpointing else "")
 
 
 def _gib(value: int) -> str:
@@ -98,14 +102,21 @@ def _gib(value: int) -> str:
 
 def run_plan(args: argparse.Namespace) -> int:
     from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout, step_seconds
-    from zerotune.plan.splits import split_profiles
-    from zerotune.plan.memory import (asks_for_auto_stage, check_composes, layout_from_config, plan_from_profile,
-                                      profile_model, stage_profiles)
+    from zerotune.plan.memory import (
+        asks_for_auto_stage,
+        check_composes,
+        layout_from_config,
+        plan_from_profile,
+        profile_model,
+        stage_profiles,
+    )
     from zerotune.plan.meta_model import PlanModelError, meta_model
+    from zerotune.plan.splits import split_profiles
 
     try:
         if args.world_size < 1 or args.nodes < 1 or args.world_size % args.nodes:
-            raise ConfigError("--world-size", f"{args.world_size} ranks cannot be spread evenly over {args.nodes} nodes")
+            raise ConfigError("--world-size",
+                              f"{args.world_size} ranks cannot be spread evenly over {args.nodes} nodes")
         if args.seq_len < 1:
             raise ConfigError("--seq-len", f"must be >= 1, got {args.seq_len}")
         device = parse_size(args.device_memory, "--device-memory")

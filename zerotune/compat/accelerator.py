@@ -370,7 +370,8 @@ def _detect() -> Accelerator:
     requested = os.environ.get("DS_ACCELERATOR")
     if requested:
         if requested not in SUPPORTED:
-            raise ValueError(f"DS_ACCELERATOR={requested!r} is not supported by zerotune; valid: {', '.join(SUPPORTED)}")
+            raise ValueError(f"DS_ACCELERATOR={requested!r} is not supported by zerotune; "
+                             f"valid: {', '.join(SUPPORTED)}")
         if requested == "cuda" and not torch.cuda.is_available():
             raise ValueError("DS_ACCELERATOR=cuda but torch sees no CUDA device")
         return Accelerator(requested)

@@ -36,6 +36,9 @@ from zerotune.compat.paths import DEEPSPEED_MODULES, REFUSED_MODULES, DeepSpeedF
 __all__ = ["DEEPSPEED_VERSION", "DeepSpeedAliasFinder", "deepspeed_alias_installed", "install_deepspeed_alias",
            "install_zerotune_deepspeed_paths", "uninstall_deepspeed_alias"]
 
+_DEFAULT_CONTEXT = importlib.metadata.DistributionFinder.Context()
+"""``find_distributions``'s default context (importlib's signature), built once."""
+
 
 class _AliasLoader(importlib.abc.Loader):
     """Hands out the already-imported target module under the DeepSpeed name."""
@@ -88,7 +91,7 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
                 name=fullname)
         return importlib.machinery.ModuleSpec(fullname, _AliasLoader(mapped.module, fullname), is_package=True)
 
-    def find_distributions(self, context: Any = importlib.metadata.DistributionFinder.Context()
+    def find_distributions(self, context: Any = _DEFAULT_CONTEXT
                            ) -> Iterable[importlib.metadata.Distribution]:
         return deepspeed_distributions(context)
 

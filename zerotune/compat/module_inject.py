@@ -39,5 +39,5 @@ GroupQuantizer = refused_class("deepspeed.module_inject.GroupQuantizer")
 LinearAllreduce = refused_class("deepspeed.module_inject.LinearAllreduce")
 LinearLayer = refused_class("deepspeed.module_inject.LinearLayer")
 
-__all__ = ["AutoTP", "GroupQuantizer", "LinearAllreduce", "LinearLayer", "ReplaceWithTensorSlicing", "generic_injection",
-           "quantize_transformer_layer", "replace_transformer_layer", "revert_transformer_layer"]
+__all__ = ["AutoTP", "GroupQuantizer", "LinearAllreduce", "LinearLayer", "ReplaceWithTensorSlicing",
+           "generic_injection", "quantize_transformer_layer", "replace_transformer_layer", "revert_transformer_layer"]

@@ -8,8 +8,9 @@ ends. It reaches them through DeepSpeed's ``DeepSpeedZeRoOffload``: ``.module``,
 ``ds_active_sub_modules`` and each module's ``ds_external_parameters()`` (cleared), and
 ``_register_deepspeed_module(module)`` to register them again.
 
-Here the hooks are stage 3's forward hooks, reached through the stage (``zero/contracts.py``). A zerotune forward hook also attaches that
-forward's backward hooks, so there are no module-level backward hooks: ``backward_hooks`` is always empty.
+Here the hooks are stage 3's forward hooks, reached through the stage (``zero/contracts.py``). A zerotune forward
+hook also attaches that forward's backward hooks, so there are no module-level backward hooks: ``backward_hooks`` is
+always empty.
 Registering again first removes whatever zerotune registered before (the scheduler keeps its own record of
 the handles), so hooks are never doubled, and the schedule's cursors restart at the root's next forward:
 training continues as if the generation forwards had not run. ``param_coordinator`` (DeepSpeed's trace of

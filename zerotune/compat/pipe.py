@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import namedtuple
-from typing import Any
+from typing import Any, Sequence
 
 from zerotune.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zerotune.pipe.engine import PipelineEngine
@@ -38,7 +38,7 @@ class ProcessTopology:
     def get_axis_names(self) -> list[str]:
         return self.axes
 
-    def get_rank_repr(self, rank: int, omit_axes: list[str] = ["data", "pipe"], inner_sep: str = "_",
+    def get_rank_repr(self, rank: int, omit_axes: Sequence[str] = ("data", "pipe"), inner_sep: str = "_",
                       outer_sep: str = "-") -> str:
         coord = self.get_coord(rank)
         return outer_sep.join(f"{axis}{inner_sep}{getattr(coord, axis):02d}"

@@ -78,7 +78,8 @@ class DeepSpeedZeROOptimizer:
         if closure is not None:
             raise ValueError("DeepSpeedZeROOptimizer.step() takes no closure")
         if self.engine.fp16_enabled() and not self._through_backward:
-            raise RuntimeError("fp16: call optimizer.backward(loss) (it applies the loss scale) instead of loss.backward()")
+            raise RuntimeError("fp16: call optimizer.backward(loss) (it applies the loss scale) instead of "
+                               "loss.backward()")
         self.engine.set_gradient_accumulation_boundary(True)
         self.engine.step()
         self._through_backward = False

@@ -15,8 +15,8 @@ from zerotune.config import load_config, resolve_config
 from zerotune.engine import Engine as DeepSpeedEngine
 from zerotune.monitor.logging import get_logger
 
-__all__ = ["DeepSpeedEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "RepeatingLoader", "set_random_seed", "see_memory_usage", "zero",
-           "pipe", "lr_schedules", "utils"]
+__all__ = ["DeepSpeedEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "RepeatingLoader", "set_random_seed",
+           "see_memory_usage", "zero", "pipe", "lr_schedules", "utils"]
 
 # deepspeed.runtime.{engine, config, utils, dataloader} are all this module under the alias.
 engine = config = utils = dataloader = sys.modules[__name__]

@@ -13,13 +13,21 @@ from zerotune.compat import ds_logging as logging  # ``deepspeed.utils.logging``
 from zerotune.compat import groups
 from zerotune.compat.ds_logging import log_dist, logger
 from zerotune.compat.tensor_fragment import __all__ as _FRAGMENT_NAMES
-from zerotune.compat.tensor_fragment import (safe_get_full_fp32_param, safe_get_full_grad,  # noqa: F401
-                                             safe_get_full_optimizer_state, safe_get_local_fp32_param,
-                                             safe_get_local_grad, safe_get_local_optimizer_state,
-                                             safe_set_full_fp32_param, safe_set_full_grad,
-                                             safe_set_full_optimizer_state, safe_set_local_fp32_param,
-                                             safe_set_local_grad, safe_set_local_optimizer_state,
-                                             safe_update_full_grad_vectorized)
+from zerotune.compat.tensor_fragment import (  # noqa: F401
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
 
 __all__ = ["logger", "log_dist", "logging", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx", *_FRAGMENT_NAMES]

@@ -130,9 +130,11 @@ def check_schedule_keys(raw: dict[str, Any], prefix: str, notes: list[tuple[str,
                 raise ConfigError(_path(prefix, f"schedule_config.{key}"),
                                   f"required key is missing (schedule_type {kind} reads "
                                   f"{', '.join(SCHEDULE_KEYS[kind])})")
-    unread = [key for key in schedule if key in CurriculumScheduleConfig.model_fields and key not in SCHEDULE_KEYS[kind]]
+    unread = [key for key in schedule
+              if key in CurriculumScheduleConfig.model_fields and key not in SCHEDULE_KEYS[kind]]
     for key in unread:
-        notes.append((_path(prefix, f"schedule_config.{key}"), f"no effect here: schedule_type {kind} does not read it"))
+        notes.append((_path(prefix, f"schedule_config.{key}"),
+                      f"no effect here: schedule_type {kind} does not read it"))
     if not unread:
         return raw
     return {**raw, "schedule_config": {k: v for k, v in schedule.items() if k not in unread}}

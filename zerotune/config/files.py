@@ -42,7 +42,8 @@ def read_config_file(source: str | os.PathLike[str]) -> dict[str, Any]:
     data = _parse_yaml(text, path) if path.suffix.lower() in YAML_SUFFIXES else _parse_json(text, path)
     if not isinstance(data, dict):
         kind = "empty" if data is None else f"a {type(data).__name__}"
-        raise ConfigError("", f"config file '{path}' must hold a mapping of config keys at the top level, but it is {kind}")
+        raise ConfigError("", f"config file '{path}' must hold a mapping of config keys at the top level, "
+                              f"but it is {kind}")
     return data
 
 
@@ -66,7 +67,8 @@ def _parse_json(text: str, path: Path) -> Any:
     try:
         return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
     except json.JSONDecodeError as exc:
-        raise ConfigError("", f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+        raise ConfigError("", f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} "
+                              f"column {exc.colno}") from None
     except _DuplicateKey as exc:
         raise ConfigError("", f"config file '{path}' gives the key '{exc.key}' twice") from None
     except RecursionError:

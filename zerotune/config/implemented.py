@@ -40,7 +40,8 @@ def assert_implemented(cfg: ZeroTuneConfig, *, zero_stages: Iterable[int] = (0,)
     stage = cfg.zero_optimization.stage
     if stage not in stages:
         implemented = ", ".join(str(s) for s in stages)
-        raise NotSupportedYetError("zero_optimization.stage", f"{stage} is not supported yet (implemented: {implemented})")
+        raise NotSupportedYetError("zero_optimization.stage",
+                                   f"{stage} is not supported yet (implemented: {implemented})")
     for path, unsupported, implemented in _RULES:
         value = _get(cfg, path)
         if isinstance(value, str) and value == "auto":

@@ -129,7 +129,8 @@ def normalize_keys(raw: Mapping[Any, Any], cls: type[Section], prefix: str,
         name = cls.ALIASES.get(key, key)
         if name in cls.UNSUPPORTED:
             what = "feature" if not prefix else "option"
-            raise NotSupportedError(path, f"'{key}' is a DeepSpeed {what} zerotune does not support; remove the {'block' if isinstance(value, Mapping) else 'key'}")
+            kind = "block" if isinstance(value, Mapping) else "key"
+            raise NotSupportedError(path, f"'{key}' is a DeepSpeed {what} zerotune does not support; remove the {kind}")
         if name not in cls.model_fields:
             raise ConfigError(path, _unknown_key_message(key, cls))
         if name in result:
@@ -197,7 +198,8 @@ def check_cross_section(cfg: ZeroTuneConfig) -> None:
     if zero.offload_param.device != "none" and isinstance(zero.stage, int) and zero.stage != 3:
         raise ConfigError(
             "zero_optimization.offload_param.device",
-            f"parameter offload ('{zero.offload_param.device}') needs zero_optimization.stage 3, got stage {zero.stage}",
+            f"parameter offload ('{zero.offload_param.device}') needs zero_optimization.stage 3, "
+            f"got stage {zero.stage}",
         )
     if cfg.checkpoint.auto_resume is True and not cfg.checkpoint.save_dir:
         raise ConfigError("checkpoint.auto_resume", "needs checkpoint.save_dir: the directory to resume from (and "

@@ -60,9 +60,12 @@ def check_hyperparameters(cfg: Any) -> None:
         from zerotune.optim.optimizers import check_optimizer_section
 
         check_optimizer_section(cfg.optimizer.type, cfg.optimizer.params)
-        _check(cfg.optimizer.params, "optimizer.params", lambda key: _OPTIMIZER_RANGES.get(key, (-math.inf, math.inf, False)))
+        _check(cfg.optimizer.params, "optimizer.params",
+               lambda key: _OPTIMIZER_RANGES.get(key, (-math.inf, math.inf, False)))
     if cfg.scheduler is not None:
-        from zerotune.optim.scheduler_config import check_scheduler_section  # the builders' own rule; optim imports config
+        from zerotune.optim.scheduler_config import (
+            check_scheduler_section,  # the builders' own rule; optim imports config
+        )
 
         check_scheduler_section(cfg.scheduler.type, cfg.scheduler.params)
         _check(cfg.scheduler.params, "scheduler.params", _scheduler_range)

@@ -67,8 +67,11 @@ _NO_EFFECT_TOP: dict[str, NoEffect] = {
     "monitor_config": (None, "", "DeepSpeed does not read it either (its monitors are the tensorboard, wandb, "
                                  "csv_monitor and comet blocks)"),
     "zero_force_ds_cpu_optimizer": (None, "", "offloaded optimizer steps run torch's kernels for any torch optimizer"),
-    "cuda_visible_devices": (None, "", "device visibility is the launcher's: set CUDA_VISIBLE_DEVICES in the environment"),
-    "sparse_gradients": (_is(False), "false", "gradients are dense"),
+    "cuda_visible_devices": (None, "",
+                             "device visibility is the launcher's: set CUDA_VISIBLE_DEVICES in the environment"),
+    "sparse_gradients": (lambda v: isinstance(v, bool), "true or false",
+                         "gradients are reduced dense, nn.Embedding(sparse=True)'s too: the same values; DeepSpeed's "
+                         "sparse all-gather changes only the bytes sent"),
     "dump_state": (_is(False), "false", "there is no state dump"),
     "disable_allgather": (_is(False), "false", "updated shards are always all-gathered"),
     "graph_harvesting": (_is(False), "false", "no CUDA-graph harvesting"),

@@ -76,7 +76,8 @@ class BF16Config(Section):
 
     NO_EFFECT: ClassVar[dict[str, NoEffect]] = {
         "immediate_grad_update": (None, "", "gradients always accumulate in fp32 buffers as backward produces them"),
-        "check_grad_overflow": (None, "", "a step with a non-finite gradient norm is always skipped, in every precision"),
+        "check_grad_overflow": (None, "",
+                                "a step with a non-finite gradient norm is always skipped, in every precision"),
         "bf16_master_weights_and_grads": (lambda v: v is False, "false", "masters and gradients are always fp32"),
         "bf16_optimizer_states": (lambda v: v is False, "false", "optimizer state is always fp32"),
     }
@@ -161,7 +162,8 @@ class PipelineConfig(Section):
     stages: AutoPosInt = 1
     """Number of pipeline stages; 1 means no pipeline parallelism."""
     partition: Str = "best"
-    """How layers are split over stages: "parameters", "uniform", "type:REGEX"; DeepSpeed's default "best" means "parameters"."""
+    """How layers are split over stages: "parameters", "uniform", "type:REGEX"; DeepSpeed's default "best" means
+    "parameters"."""
     seed_layers: AutoBool = False
     """Give each layer its own random seed so stages initialise reproducibly."""
     activation_checkpoint_interval: AutoNonNegInt = 0

@@ -171,7 +171,8 @@ class ZeroConfig(Section):
     stage3_max_reuse_distance: AutoNonNegInt = int(1e9)
     """A parameter reused within this many elements is not released in stage 3."""
     stage3_gather_16bit_weights_on_model_save: AutoBool = False
-    """Gather the full 16-bit weights when saving the model in stage 3 (alias stage3_gather_fp16_weights_on_model_save)."""
+    """Gather the full 16-bit weights when saving the model in stage 3 (alias stage3_gather_fp16_weights_on_model_save).
+    """
     stage3_module_granularity_threshold: AutoNonNegInt = 0
     """Modules finer than this parameter-per-submodule ratio are fetched as one unit; 0 disables."""
     ignore_unused_parameters: AutoBool = True

@@ -114,7 +114,8 @@ def compare(runs: list[MethodRun], metric: str, greater_is_better: bool) -> list
             "steps_to_full_final": reached, "steps_pct_of_full": _percent(reached, full_steps),
             "convergence_speed_pct_of_full": _percent(full_steps, reached),
             "final_metric": run.evals[-1][1] if run.evals else run.summary.get("after"),
-            "improvement_pct_of_full": _percent(run.evals[-1][1] - base, full_gain) if run.evals and full_gain else None,
+            "improvement_pct_of_full": (_percent(run.evals[-1][1] - base, full_gain)
+                                        if run.evals and full_gain else None),
             "best_metric": best[1] if best else None, "best_step": best[0] if best else None,
             "steps": run.summary.get("steps"), "trainable_parameters": run.summary.get("trainable_parameters"),
             "samples_per_s": run.summary.get("samples_per_s"),

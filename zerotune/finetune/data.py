@@ -23,7 +23,6 @@ import datasets
 import yaml
 
 from zerotune.finetune import assets
-from zerotune.finetune.formats import to_canonical
 from zerotune.finetune.data_files import (
     DataError,
     describe_files,
@@ -33,6 +32,7 @@ from zerotune.finetune.data_files import (
     one_line,
     quiet_datasets,
 )
+from zerotune.finetune.formats import to_canonical
 
 __all__ = [
     "BUNDLED_CAUSAL_LM", "BUNDLED_CLASSIFICATION", "DataError", "DataSpec", "check_num_labels",
@@ -134,7 +134,8 @@ def load_causal_lm_data(
         evaluation = canonical("eval") if _has_eval(spec) else None
         if evaluation is not None and evaluation.column_names != train.column_names:
             raise DataError(f"the eval data ({describe_files(_rows_sources(spec, 'eval'))}) is laid out as "
-                            f"{', '.join(evaluation.column_names)} but the train data as {', '.join(train.column_names)}")
+                            f"{', '.join(evaluation.column_names)} but the train data as "
+                            f"{', '.join(train.column_names)}")
         train, evaluation = _split(train, evaluation, spec)
     return _truncate(train, spec.max_train_samples, spec.seed), _truncate(evaluation, spec.max_eval_samples, spec.seed)
 
@@ -144,7 +145,8 @@ def load_chatterbot_qa(directory: str | pathlib.Path | None = None, *, fetch: bo
 
     A conversation ``[q, a, b]`` yields ``(q, a)`` and ``(a, b)``; the English corpus gives 2,393.
     """
-    root = pathlib.Path(directory) if directory is not None else assets.asset_path("chatterbot_corpus_english", fetch=fetch)
+    root = (pathlib.Path(directory) if directory is not None
+            else assets.asset_path("chatterbot_corpus_english", fetch=fetch))
     files = sorted(root.glob("*.yml"))
     if not files:
         raise DataError(f"no .yml files in {root}; expected the chatterbot corpus YAML files")
@@ -156,7 +158,8 @@ def load_chatterbot_qa(directory: str | pathlib.Path | None = None, *, fetch: bo
             raise DataError(f"cannot parse {path} as YAML: {one_line(error)}") from None
         conversations = document.get("conversations") if isinstance(document, dict) else None
         if not isinstance(conversations, list):
-            raise DataError(f"{path} has no 'conversations' list; expected {{'conversations': [[question, answer, ...], ...]}}")
+            raise DataError(f"{path} has no 'conversations' list; "
+                            "expected {'conversations': [[question, answer, ...], ...]}")
         for turns in conversations:
             turns = [str(turn).strip() for turn in turns if turn is not None]
             pairs.extend(zip(turns[:-1], turns[1:]))
@@ -209,7 +212,8 @@ def _check_spec(spec: DataSpec, bundled_names: tuple[str, ...]) -> None:
     if spec.bundled and spec.bundled not in bundled_names:
         close = difflib.get_close_matches(spec.bundled, bundled_names, n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise DataError(f"unknown bundled data set {spec.bundled!r} for this task; available: {', '.join(bundled_names)}{hint}")
+        raise DataError(f"unknown bundled data set {spec.bundled!r} for this task; "
+                        f"available: {', '.join(bundled_names)}{hint}")
     if spec.bundled and spec.eval_files:
         raise DataError("bundled data sets bring their own eval split (eval_fraction); drop data.eval_files")
     if spec.eval_files and spec.dataset:
@@ -232,14 +236,16 @@ def _select_columns(dataset: datasets.Dataset, columns: dict[str, str], files: S
             close = difflib.get_close_matches(column, available, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise DataError(
-                f"{role} column {column!r} not found in {describe_files(files)}; available columns: {', '.join(available)}{hint}"
+                f"{role} column {column!r} not found in {describe_files(files)}; "
+                f"available columns: {', '.join(available)}{hint}"
             )
     dataset = dataset.select_columns(list(columns.values()))
     renames = {given: canonical for canonical, given in columns.items() if given != canonical}
     return dataset.rename_columns(renames) if renames else dataset
 
 
-def _check_no_missing(dataset: datasets.Dataset, canonical: list[str], columns: dict[str, str], files: Sequence[str]) -> None:
+def _check_no_missing(dataset: datasets.Dataset, canonical: list[str], columns: dict[str, str],
+                      files: Sequence[str]) -> None:
     """A null or blank text would crash the tokenizer far from its cause: reject it here."""
     for name in canonical:
         values = dataset[name]
@@ -257,7 +263,8 @@ def _encode_labels(
     """Map label values to ids 0..K-1 (sorted values) and cast to ``ClassLabel``."""
     values_by_set = [(train, spec.train_files, _normalized_labels(train, spec.label_column, spec.train_files))]
     if evaluation is not None:
-        values_by_set.append((evaluation, spec.eval_files, _normalized_labels(evaluation, spec.label_column, spec.eval_files)))
+        eval_labels = _normalized_labels(evaluation, spec.label_column, spec.eval_files)
+        values_by_set.append((evaluation, spec.eval_files, eval_labels))
     distinct = {v for _, _, values in values_by_set for v in values}
     if len({type(v) for v in distinct}) > 1:
         examples = ", ".join(sorted(map(repr, distinct))[:6])

@@ -14,7 +14,8 @@ from collections.abc import Iterator, Sequence
 
 import datasets
 
-_BUILDER_BY_SUFFIX = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".parquet": "parquet", ".txt": "text"}
+_BUILDER_BY_SUFFIX = {".csv": "csv", ".tsv": "tsv", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
+                      ".txt": "text"}
 _COMPRESSION_SUFFIXES = {".bz2", ".gz", ".xz"}
 
 
@@ -89,7 +90,8 @@ def load_dataset_split(name: str, config: str | None, split: str, role: str = "t
     except Exception as error:  # noqa: BLE001 - not cached offline, no such data set: one line
         offline = datasets.config.HF_HUB_OFFLINE
         how = (f"; it is not in the Hugging Face cache and the hub is offline (HF_HUB_OFFLINE=1): fetch it once where "
-               f"the hub is reachable: python -c \"import datasets; datasets.load_dataset({name!r})\"") if offline else ""
+               f"the hub is reachable: python -c \"import datasets; datasets.load_dataset({name!r})\""
+               ) if offline else ""
         raise DataError(f"data set {name!r} ({role} split {split!r}) could not be loaded: {type(error).__name__}: "
                         f"{one_line(error)[:200]}{how}") from None
     if len(loaded) == 0:
@@ -128,13 +130,15 @@ def _parse_error(builder: str, paths: list[pathlib.Path], error: Exception) -> D
                 culprit, cause = path, single_error
                 break
         else:  # each file parses alone: they disagree with each other (columns or types)
-            return DataError(f"data files {describe_files(paths)} do not combine (different columns or types?): {one_line(error)}")
+            return DataError(f"data files {describe_files(paths)} do not combine (different columns or types?): "
+                             f"{one_line(error)}")
     if culprit.stat().st_size == 0:  # the json builder's own words for this are "StopIteration"
         return DataError(f"data file {str(culprit)!r} is empty (0 bytes)")
     if builder == "json" and (problem := _json_syntax_problem(culprit)):
         return DataError(f"data file {str(culprit)!r}: {problem}")
     root_cause = cause.__cause__ or cause.__context__ or cause
-    if "corresponds to no data" in str(cause) or type(root_cause).__name__ in ("EmptyDataError", "SchemaInferenceError"):
+    empty_error = type(root_cause).__name__ in ("EmptyDataError", "SchemaInferenceError")
+    if "corresponds to no data" in str(cause) or empty_error:
         return DataError(f"data file {str(culprit)!r} has no rows")
     return DataError(f"cannot parse data file {str(culprit)!r} as {builder}: {one_line(root_cause)}")
 

@@ -2,8 +2,8 @@
 rsLoRA, QLoRA, prefix, freeze).
 
 Bundled model names resolve to offline assets (``finetune.assets``); anything else is a local
-Hugging Face directory, or a model id fetched through the hub's own cache. LoRA and prefix tuning go through peft: the base weights are frozen
-(``requires_grad=False``), so the engine syncs and shards only the adapters' parameters.
+Hugging Face directory, or a model id fetched through the hub's own cache. LoRA and prefix tuning go through peft: the
+base weights are frozen (``requires_grad=False``), so the engine syncs and shards only the adapters' parameters.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def resolve_model_path(name_or_path: str) -> Path:
     if not path.is_dir():
         path = _from_hub(name_or_path, sorted(ASSETS))
     if not (path / "config.json").is_file():
-        raise ModelLoadError(f"model.name_or_path: {path} has no config.json; point it at a Hugging Face model directory")
+        raise ModelLoadError(f"model.name_or_path: {path} has no config.json; "
+                             "point it at a Hugging Face model directory")
     return path
 
 

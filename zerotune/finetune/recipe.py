@@ -39,12 +39,12 @@ from zerotune.config.loading import (  # _plain_copy is private; reused, not dup
 from zerotune.config.pydantic_errors import translate
 from zerotune.config.tree import set_path
 from zerotune.config.yaml_loader import YamlExpansionError, load_yaml
+from zerotune.finetune.recipe_checks import RecipeError, check_recipe
 from zerotune.finetune.recipe_engine import (
     derive_engine_config,
     recipe_engine_config,
     reconcile_batch,
 )
-from zerotune.finetune.recipe_checks import RecipeError, check_recipe
 from zerotune.finetune.recipe_sections import (
     BUNDLED_MODELS,
     ENGINE_SHORTCUTS,

@@ -10,6 +10,7 @@ from __future__ import annotations
 from zerotune.config.errors import ConfigError
 from zerotune.finetune.recipe_sections import METHOD_OPTIONS, Recipe
 
+
 class RecipeError(ConfigError):
     """A recipe value is missing, malformed, inconsistent or unknown; ``path`` is its dotted key."""
 
@@ -42,7 +43,8 @@ def _check_train(recipe: Recipe) -> None:
     if train.epochs is None and train.max_steps is None:
         train.epochs = 1.0
     if train.warmup_ratio is not None and "warmup_steps" in train.model_fields_set and train.warmup_steps:
-        raise RecipeError("train.warmup_ratio", "train.warmup_steps and train.warmup_ratio are both set; set at most one")
+        raise RecipeError("train.warmup_ratio",
+                          "train.warmup_steps and train.warmup_ratio are both set; set at most one")
 
 
 def _check_best(recipe: Recipe) -> None:
@@ -64,10 +66,12 @@ def _check_data(recipe: Recipe) -> None:
     data = recipe.data
     sources = [key for key in ("train_files", "dataset", "bundled") if getattr(data, key) is not None]
     if len(sources) > 1:
-        raise RecipeError(f"data.{sources[1]}", f"data.{sources[0]} and data.{sources[1]} are both set; set exactly one")
+        raise RecipeError(f"data.{sources[1]}",
+                          f"data.{sources[0]} and data.{sources[1]} are both set; set exactly one")
     if not sources:
         raise RecipeError("data", "no training data: set data.train_files (local files), data.dataset (a Hugging Face "
-                                  "data set id or directory) or data.bundled (rotten_tomatoes or chatterbot_corpus_english)")
+                                  "data set id or directory) or data.bundled (rotten_tomatoes or "
+                                  "chatterbot_corpus_english)")
     for key in ("dataset_config", "train_split", "eval_split"):
         if key in data.model_fields_set and data.dataset is None:
             raise RecipeError(f"data.{key}", "only used with data.dataset; remove it or set data.dataset")
@@ -76,7 +80,8 @@ def _check_data(recipe: Recipe) -> None:
     if data.eval_files is not None and data.dataset is not None:
         raise RecipeError("data.eval_files", "with data.dataset, name its eval split in data.eval_split")
     if data.eval_files is not None and data.bundled is not None:
-        raise RecipeError("data.eval_files", "only with data.train_files; a bundled data set holds out data.eval_fraction")
+        raise RecipeError("data.eval_files",
+                          "only with data.train_files; a bundled data set holds out data.eval_fraction")
     if (data.prompt_column is None) != (data.response_column is None):
         missing = "prompt_column" if data.prompt_column is None else "response_column"
         raise RecipeError(f"data.{missing}", "give both data.prompt_column and data.response_column "
@@ -117,7 +122,8 @@ def _check_task(recipe: Recipe) -> None:
             continue
         for section, key in keys:
             if key in getattr(recipe, section).model_fields_set:
-                raise RecipeError(f"{section}.{key}", f"only used by task {task!r}, but task is {recipe.task!r}; remove it")
+                raise RecipeError(f"{section}.{key}",
+                                  f"only used by task {task!r}, but task is {recipe.task!r}; remove it")
 
 
 def _check_launch(recipe: Recipe) -> None:

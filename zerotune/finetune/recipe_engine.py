@@ -211,8 +211,8 @@ def _check_method_fits_engine(recipe: Recipe, engine: Any) -> None:
     precision = "bf16" if engine.bf16.enabled else "fp16" if engine.fp16.enabled else "fp32"
     if recipe.model.dtype in ("bf16", "fp16") and recipe.model.dtype != precision:
         raise RecipeError("model.dtype", f"{recipe.model.dtype} weights with engine.precision {precision}: the engine "
-                                         f"would train {recipe.model.dtype} values as {precision}; set engine.precision "
-                                         f"{recipe.model.dtype}, or model.dtype auto / fp32")
+                                         f"would train {recipe.model.dtype} values as {precision}; set "
+                                         f"engine.precision {recipe.model.dtype}, or model.dtype auto / fp32")
     if method == "qlora" and stage == 3:
         raise RecipeError("method.type", "qlora with ZeRO stage 3 (engine.zero_stage): stage 3 partitions every "
                                          "parameter, and the frozen base's 4/8-bit weights are packed integers "

@@ -51,11 +51,13 @@ class ModelSection(Section):
     """``model``: which pretrained model to fine-tune and how to load it."""
 
     name_or_path: Str
-    """A local Hugging Face model directory (relative paths resolve against the recipe's directory) or a bundled model name: all-MiniLM-L6-v2, SmolLM2-135M-Instruct."""
+    """A local Hugging Face model directory (relative paths resolve against the recipe's directory) or a bundled model
+    name: all-MiniLM-L6-v2, SmolLM2-135M-Instruct."""
     num_labels: Optional[PosInt] = None
     """Number of classes for sequence classification; None infers it from the training labels."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """dtype the weights are loaded in; "auto" is fp32 (the engine casts per its precision and keeps fp32 masters made from the checkpoint's exact values). bf16 / fp16 halve the loading memory and need the same engine.precision."""
+    """dtype the weights are loaded in; "auto" is fp32 (the engine casts per its precision and keeps fp32 masters made
+    from the checkpoint's exact values). bf16 / fp16 halve the loading memory and need the same engine.precision."""
     trust_remote_code: StrictBool = False
     """Allow the model directory to run its own Python modelling code (only for directories you trust)."""
 
@@ -64,13 +66,16 @@ class DataSection(Section):
     """``data``: where the examples come from, which columns hold what, and how they are cut."""
 
     train_files: Optional[PathList] = None
-    """Local CSV / JSON / JSONL / parquet / text files with the training examples (relative paths resolve against the recipe's directory). Exactly one of train_files and bundled."""
+    """Local CSV / JSON / JSONL / parquet / text files with the training examples (relative paths resolve against the
+    recipe's directory). Exactly one of train_files and bundled."""
     eval_files: Optional[PathList] = None
     """Files with the held-out examples; None splits eval_fraction off the training data."""
     bundled: Optional[Literal[BUNDLED_DATA]] = None  # type: ignore[valid-type]
-    """A bundled data set fetched offline: rotten_tomatoes (sentiment) or chatterbot_corpus_english (question/answer pairs). Exactly one of train_files and bundled."""
+    """A bundled data set fetched offline: rotten_tomatoes (sentiment) or chatterbot_corpus_english (question/answer
+    pairs). Exactly one of train_files and bundled."""
     dataset: Optional[Str] = None
-    """A Hugging Face data set id (through the hub's cache: offline once cached) or a local data set directory (save_to_disk's, or a folder of data files); instead of train_files and bundled."""
+    """A Hugging Face data set id (through the hub's cache: offline once cached) or a local data set directory
+    (save_to_disk's, or a folder of data files); instead of train_files and bundled."""
     dataset_config: Optional[Str] = None
     """The data set's configuration (subset) name, for ids that have several."""
     train_split: Str = "train"
@@ -84,11 +89,16 @@ class DataSection(Section):
     label_column: Str = "label"
     """Column with the class label (sequence classification); strings or integers."""
     prompt_column: Optional[Str] = None
-    """Column with the prompt / question (causal LM, with response_column); the loss is not taken on these tokens. None (with response_column None) trains on text_column as plain text."""
+    """Column with the prompt / question (causal LM, with response_column); the loss is not taken on these tokens. None
+    (with response_column None) trains on text_column as plain text."""
     response_column: Optional[Str] = None
     """Column with the answer (causal LM, with prompt_column); the loss is taken on these tokens only."""
     format: Literal[FORMATS] = "auto"  # type: ignore[valid-type]
-    """Causal LM: how the examples are laid out. auto detects it from the columns: messages (OpenAI / TRL chat: role + content turns, loss on the assistant turns through the tokenizer's chat template), conversations (ShareGPT: from + value), instruction + input + output (alpaca: loss on the output), prompt + response (or prompt_column + response_column: loss on the response), input_ids [+ labels] (tokens, pre-tokenized), else text_column (text: loss on every token)."""
+    """Causal LM: how the examples are laid out. auto detects it from the columns: messages (OpenAI / TRL chat: role +
+    content turns, loss on the assistant turns through the tokenizer's chat template), conversations (ShareGPT: from +
+    value), instruction + input + output (alpaca: loss on the output), prompt + response (or prompt_column +
+    response_column: loss on the response), input_ids [+ labels] (tokens, pre-tokenized), else text_column (text: loss
+    on every token)."""
     eval_fraction: Fraction = 0.1
     """Fraction of the training data held out for evaluation when eval_files is not given."""
     max_train_samples: Optional[PosInt] = None
@@ -98,7 +108,9 @@ class DataSection(Section):
     max_length: PosInt = 128
     """Truncate tokenized examples to this many tokens."""
     packing: StrictBool = False
-    """Causal LM: pack short training examples into rows of up to max_length tokens (position ids restart per example, so no example attends to another; micro_batch_size then counts packed rows). Models whose forward takes position_ids; not with prefix tuning. Evaluation stays per example."""
+    """Causal LM: pack short training examples into rows of up to max_length tokens (position ids restart per example,
+    so no example attends to another; micro_batch_size then counts packed rows). Models whose forward takes
+    position_ids; not with prefix tuning. Evaluation stays per example."""
 
 
 class MethodSection(Section):
@@ -109,7 +121,9 @@ class MethodSection(Section):
     """
 
     type: Literal[METHODS] = "full"  # type: ignore[valid-type]
-    """full (train every weight), lora (low-rank adapters), qlora (LoRA on a 4- or 8-bit frozen base, through bitsandbytes; ZeRO 0-2), prefix (prefix tuning) or freeze (train the last trainable_layers blocks and/or the trainable_modules, the rest frozen)."""
+    """full (train every weight), lora (low-rank adapters), qlora (LoRA on a 4- or 8-bit frozen base, through
+    bitsandbytes; ZeRO 0-2), prefix (prefix tuning) or freeze (train the last trainable_layers blocks and/or the
+    trainable_modules, the rest frozen)."""
     r: PosInt = 8
     """LoRA: rank of the adapter matrices."""
     alpha: PosFloat = 16
@@ -119,7 +133,8 @@ class MethodSection(Section):
     target_modules: Optional[Union[list[Str], Str]] = None
     """LoRA: names (or one regex) of the modules to adapt; None uses the per-architecture default."""
     dora: StrictBool = False
-    """LoRA / QLoRA: weight-decomposed adapters (DoRA: a trained magnitude per output on top of the low-rank direction)."""
+    """LoRA / QLoRA: weight-decomposed adapters (DoRA: a trained magnitude per output on top of the low-rank direction).
+    """
     rslora: StrictBool = False
     """LoRA / QLoRA: rank-stabilized scaling alpha / sqrt(r) instead of alpha / r."""
     bits: Literal[4, 8] = 4
@@ -136,7 +151,8 @@ class TrainSection(Section):
     """``train``: length of training, optimizer and schedule, and the evaluation/checkpoint cadence."""
 
     epochs: Optional[PosFloat] = None
-    """Passes over the training data (fractions allowed); exactly one of epochs and max_steps, epochs 1 when neither is set."""
+    """Passes over the training data (fractions allowed); exactly one of epochs and max_steps, epochs 1 when neither is
+    set."""
     max_steps: Optional[PosInt] = None
     """Optimizer steps to run; exactly one of epochs and max_steps."""
     lr: PosFloat = 5e-5
@@ -160,19 +176,24 @@ class TrainSection(Section):
     save_total_limit: Optional[PosInt] = None
     """Keep only the newest N checkpoints (HF Trainer's name; the engine's checkpoint.keep_last)."""
     load_best_model_at_end: StrictBool = False
-    """Keep the checkpoint of the best evaluation (by metric_for_best_model, in OUTPUT/best) and end the run with that model: the final evaluation and the saved model are the best's. Needs eval_every."""
+    """Keep the checkpoint of the best evaluation (by metric_for_best_model, in OUTPUT/best) and end the run with that
+    model: the final evaluation and the saved model are the best's. Needs eval_every."""
     metric_for_best_model: Optional[Str] = None
-    """The eval metric that picks the best evaluation and drives early stopping: loss or perplexity (causal LM), accuracy, macro_f1 or loss (sequence classification); None: loss (causal LM), accuracy (classification)."""
+    """The eval metric that picks the best evaluation and drives early stopping: loss or perplexity (causal LM),
+    accuracy, macro_f1 or loss (sequence classification); None: loss (causal LM), accuracy (classification)."""
     greater_is_better: Optional[StrictBool] = None
-    """Whether a larger metric_for_best_model is better; None infers it (accuracy, macro_f1: yes; loss, perplexity: no)."""
+    """Whether a larger metric_for_best_model is better; None infers it (accuracy, macro_f1: yes; loss, perplexity: no).
+    """
     early_stopping_patience: Optional[PosInt] = None
-    """Stop after this many evaluations in a row without an improvement larger than early_stopping_min_delta; None never stops early. Needs eval_every."""
+    """Stop after this many evaluations in a row without an improvement larger than early_stopping_min_delta; None never
+    stops early. Needs eval_every."""
     early_stopping_min_delta: NonNegFloat = 0.0
     """The smallest change of metric_for_best_model that counts as an improvement."""
     log_every: PosInt = 10
     """Log the training loss and lr every this many optimizer steps."""
     eval_samples: NonNegInt = 2
-    """Causal LM: at each evaluation, answer this many prompts greedily (the first eval-set questions, or sample_prompts) and print them (also OUTPUT/samples.jsonl); 0 turns it off."""
+    """Causal LM: at each evaluation, answer this many prompts greedily (the first eval-set questions, or
+    sample_prompts) and print them (also OUTPUT/samples.jsonl); 0 turns it off."""
     sample_prompts: Optional[list[Str]] = None
     """Causal LM: fixed prompts (user turns) to answer at each evaluation instead of eval-set questions."""
     sample_max_new_tokens: PosInt = 32
@@ -193,7 +214,8 @@ class EngineSection(Section):
     config: dict[str, Any] = Field(default_factory=dict)
     """The inline engine config (DeepSpeed JSON keys), validated by zerotune.config.load_config."""
     config_path: Optional[Str] = None
-    """A JSON/YAML engine config file (relative paths resolve against the recipe's directory); instead of inline keys."""
+    """A JSON/YAML engine config file (relative paths resolve against the recipe's directory); instead of inline keys.
+    """
     zero_stage: Optional[Stage] = None
     """ZeRO stage 0-3; sets zero_optimization.stage when the engine config does not."""
     precision: Optional[Literal[PRECISIONS]] = None  # type: ignore[valid-type]

@@ -28,7 +28,8 @@ def tokenize_classification(dataset: datasets.Dataset, tokenizer: Any, max_lengt
     has_pair = "text_pair" in dataset.column_names
 
     def encode(batch: dict[str, list]) -> dict[str, list]:
-        encoded = tokenizer(batch["text"], batch["text_pair"] if has_pair else None, truncation=True, max_length=max_length)
+        encoded = tokenizer(batch["text"], batch["text_pair"] if has_pair else None, truncation=True,
+                            max_length=max_length)
         return {**encoded, "labels": batch["label"]}
 
     return dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing")
@@ -85,8 +86,8 @@ def tokenize_causal_lm(
     encoded = dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc="tokenizing")
     if len(dataset) and not len(encoded):
         longest = f" (the prompts are {min(prompt_lengths)} to {max(prompt_lengths)} tokens)" if prompt_lengths else ""
-        raise DataError(f"every one of the {len(dataset)} examples has its answer beyond data.max_length = {max_length} "
-                        f"tokens{longest}, so none is left to train on; raise data.max_length")
+        raise DataError(f"every one of the {len(dataset)} examples has its answer beyond data.max_length = "
+                        f"{max_length} tokens{longest}, so none is left to train on; raise data.max_length")
     return encoded
 
 
@@ -133,7 +134,8 @@ def _prompt_and_full_ids(tokenizer: Any, prompt: str, response: str, chat: bool)
     if chat:
         user = [{"role": "user", "content": prompt}]
         prompt_ids = _as_ids(tokenizer.apply_chat_template(user, add_generation_prompt=True, tokenize=True))
-        full_ids = _as_ids(tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}], tokenize=True))
+        full_ids = _as_ids(tokenizer.apply_chat_template(user + [{"role": "assistant", "content": response}],
+                                                         tokenize=True))
         if full_ids[: len(prompt_ids)] != prompt_ids:
             raise DataError(
                 "the tokenizer's chat template renders the prompt differently once an answer follows, so the answer "

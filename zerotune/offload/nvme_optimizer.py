@@ -135,7 +135,8 @@ class NvmePlacement(MasterPlacement):
         needed = 1 + len(self.state_keys)
         if self.pool.buffer_count < needed:
             raise SwapFileError(f"offload_optimizer.buffer_count is {self.pool.buffer_count}; this optimizer keeps "
-                                f"{len(self.state_keys)} state tensor(s) per parameter, so at least {needed} are needed")
+                                f"{len(self.state_keys)} state tensor(s) per parameter, so at least {needed} are "
+                                "needed")
         writes: deque[tuple[list[SwapHandle], list[torch.Tensor], list[torch.Tensor]]] = deque()
 
         def retire_oldest() -> None:

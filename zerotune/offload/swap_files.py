@@ -34,8 +34,13 @@ from pathlib import Path
 
 import torch
 
-from zerotune.offload.aio import (DIRECT_READS_BY_DEFAULT, DIRECT_WRITES_BY_DEFAULT, AioSettings, SwapFileError,
-                                  direct_io_supported)
+from zerotune.offload.aio import (
+    DIRECT_READS_BY_DEFAULT,
+    DIRECT_WRITES_BY_DEFAULT,
+    AioSettings,
+    SwapFileError,
+    direct_io_supported,
+)
 from zerotune.offload.buffers import ALIGNMENT, round_up, tensor_memoryview
 
 __all__ = ["AioSettings", "SwapFileError", "SwapHandle", "SwapStore", "direct_io_supported"]

@@ -140,7 +140,8 @@ class OneBitAdam(torch.optim.Optimizer):
         """This rank's error-feedback buffers (they differ per rank: the engine saves them per rank) and the
         step count that decides whether compression runs."""
         return {"steps_taken": self.steps_taken,
-                "errors": {i: (w.detach().cpu().clone(), s.detach().cpu().clone()) for i, (w, s) in self.errors.items()}}
+                "errors": {i: (w.detach().cpu().clone(), s.detach().cpu().clone())
+                           for i, (w, s) in self.errors.items()}}
 
     def load_error_state_dict(self, state: dict, device: torch.device) -> None:
         self.steps_taken = int(state["steps_taken"])

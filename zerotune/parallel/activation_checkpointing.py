@@ -40,7 +40,13 @@ import torch
 import torch.distributed as dist
 import torch.utils.checkpoint as torch_checkpoint
 
-from zerotune.config import ActivationCheckpointingConfig, ConfigError, NotSupportedYetError, ZeroTuneConfig, load_config
+from zerotune.config import (
+    ActivationCheckpointingConfig,
+    ConfigError,
+    NotSupportedYetError,
+    ZeroTuneConfig,
+    load_config,
+)
 from zerotune.monitor.logging import log_rank0
 
 SECTION = "activation_checkpointing"
@@ -103,7 +109,8 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
         raise NotSupportedYetError("mpu", "a Megatron mpu is not supported yet (tensor parallelism lands in a later "
                                           "release); call configure(None, ...)")
     base = CheckpointPolicy() if deepspeed_config is None else policy_from_section(_section_of(deepspeed_config))
-    overrides = {"partition_activations": partition_activations, "contiguous_memory_optimization": contiguous_checkpointing,
+    overrides = {"partition_activations": partition_activations,
+                 "contiguous_memory_optimization": contiguous_checkpointing,
                  "number_checkpoints": num_checkpoints, "cpu_checkpointing": checkpoint_in_cpu,
                  "synchronize_checkpoint_boundary": synchronize, "profile": profile}
     values = {f.name: getattr(base, f.name) for f in fields(CheckpointPolicy)}
@@ -119,8 +126,8 @@ def _section_of(deepspeed_config: Any) -> ActivationCheckpointingConfig:
         return deepspeed_config.activation_checkpointing
     if isinstance(deepspeed_config, (str, Path, Mapping)):
         return load_config(deepspeed_config).activation_checkpointing
-    raise TypeError(f"configure(deepspeed_config=...) got {type(deepspeed_config).__name__}; expected a config file path, "
-                    "a config dict, a ZeroTuneConfig or an ActivationCheckpointingConfig")
+    raise TypeError(f"configure(deepspeed_config=...) got {type(deepspeed_config).__name__}; expected a config file "
+                    "path, a config dict, a ZeroTuneConfig or an ActivationCheckpointingConfig")
 
 
 def is_configured() -> bool:
@@ -282,8 +289,8 @@ def remove_activation_checkpointing(model: torch.nn.Module) -> list[str]:
         if state is None:
             continue
         if getattr(module.__dict__.get("forward"), "__func__", None) is not _checkpointed_forward:
-            raise RuntimeError(f"remove_activation_checkpointing: '{name}'.forward was replaced after checkpointing was "
-                               "applied; remove that wrapper first")
+            raise RuntimeError(f"remove_activation_checkpointing: '{name}'.forward was replaced after checkpointing "
+                               "was applied; remove that wrapper first")
         if state.previous_forward is _ABSENT:
             del module.forward
         else:
@@ -300,7 +307,8 @@ def checkpointed_module_names(model: torch.nn.Module) -> list[str]:
 
 def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
     state: _Wrapped = self.__dict__[_STATE]
-    inner = state.previous_forward if state.previous_forward is not _ABSENT else types.MethodType(type(self).forward, self)
+    inner = (state.previous_forward if state.previous_forward is not _ABSENT
+             else types.MethodType(type(self).forward, self))
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
     args, kwargs, replayable = _without_empty_caches(args, kwargs, state.layer_idx)
@@ -368,7 +376,8 @@ def checkpoint_block_names(model: torch.nn.Module, modules: Iterable[type | str]
         wanted = list(modules)
         for entry in wanted:
             if not isinstance(entry, (type, str)):
-                raise TypeError(f"apply_activation_checkpointing: modules entries must be classes or names, got {entry!r}")
+                raise TypeError("apply_activation_checkpointing: modules entries must be classes or names, "
+                                f"got {entry!r}")
 
     def matches(name: str, module: torch.nn.Module, entry: type | str) -> bool:
         if isinstance(entry, type):

@@ -280,7 +280,8 @@ def _stages_of_topology(topology: Any, num_stages: int | None) -> int:
     data-parallel sizes come from the config, so a model axis must be 1 here."""
     axes = list(topology.get_axis_names())
     if "pipe" not in axes or set(axes) - {"pipe", "data", "model"}:
-        raise ValueError(f"PipelineModule(topology=...) needs axes among pipe, data, model with a pipe axis; got {axes}")
+        raise ValueError("PipelineModule(topology=...) needs axes among pipe, data, model with a pipe axis; "
+                         f"got {axes}")
     stages = topology.get_dim("pipe")
     if num_stages is not None and num_stages != stages:
         raise ValueError(f"PipelineModule(num_stages={num_stages}) contradicts the topology's pipe size {stages}")

@@ -71,7 +71,8 @@ class Candidate:
     host_bytes: int
     comm_bytes: float
     seconds: float
-    comm_seconds: float = 0.0  # the communication compute does not hide (tensor-parallel, pipeline, exposed data-parallel)
+    # the communication compute does not hide (tensor-parallel, pipeline, exposed data-parallel)
+    comm_seconds: float = 0.0
 
     def describe(self) -> str:
         offload = []
@@ -82,7 +83,8 @@ class Candidate:
         split = (f"tensor parallel {self.layout.tp}, " if self.layout.tp > 1 else "") + (
             f"{self.layout.pp} pipeline stages, " if self.layout.pp > 1 else "") + (
             f"sequence parallel {self.layout.sp}, " if self.layout.sp > 1 else "")
-        return (f"{split}ZeRO {self.layout.stage}{', ' + ', '.join(offload) if offload else ''}, activation checkpointing "
+        offloads = ", " + ", ".join(offload) if offload else ""
+        return (f"{split}ZeRO {self.layout.stage}{offloads}, activation checkpointing "
                 f"{'on' if self.checkpointing else 'off'}, micro-batch {self.layout.micro_batch} x {self.gas} "
                 f"accumulation: {self.device_bytes / 2**30:.2f} GiB per rank, {self.comm_bytes / 2**30:.2f} GiB "
                 f"communicated per rank per step, {self.seconds * 1e3:.1f} ms per step (modeled)")

@@ -11,7 +11,6 @@ masters and Adam's two moments; with CPU offload, those live in host memory, siz
 
 from __future__ import annotations
 
-
 import torch
 
 GiB = 2**30

@@ -221,9 +221,9 @@ def plan_from_profile(profile: ModelProfile, layout: Layout) -> RankPlan:
             plans.append(plan)
         return max(plans, key=lambda plan: plan.total("device"))
     trainable, frozen = profile.trainable, profile.frozen
-    states = zerotune_model_states(trainable, frozen, stage=layout.stage, dp=layout.zero_group, precision=layout.precision,
-                                   optimizer=layout.optimizer, offload_optimizer=layout.offload_optimizer,
-                                   offload_param=layout.offload_param)
+    states = zerotune_model_states(trainable, frozen, stage=layout.stage, dp=layout.zero_group,
+                                   precision=layout.precision, optimizer=layout.optimizer,
+                                   offload_optimizer=layout.offload_optimizer, offload_param=layout.offload_param)
     width = profile.width
     micro = layout.micro_batch
     activations = profile.per_example.scaled(micro)

@@ -39,7 +39,8 @@ def _from_factory(spec: str) -> torch.nn.Module:
     try:
         factory: Any = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as error:
-        raise PlanModelError(f"--model {spec!r}: cannot import {function_name!r} from {module_name!r} ({error})") from None
+        raise PlanModelError(f"--model {spec!r}: cannot import {function_name!r} from {module_name!r} "
+                             f"({error})") from None
     with torch.device("meta"):
         model = factory()
     if not isinstance(model, torch.nn.Module):

@@ -171,7 +171,8 @@ def _build_stage3(zero: Any, group_params: list[list[torch.nn.Parameter]], polic
                             shard_device=torch.device("cpu") if offload.device != "none" else None,
                             pin_memory=bool(offload.pin_memory), on_unit_built=unit_built)
     state.start_schedule(lambda on_final_grad: UnitScheduler(
-        units, prefetch_numel=int(zero.stage3_prefetch_bucket_size), max_live_numel=int(zero.stage3_max_live_parameters),
+        units, prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+        max_live_numel=int(zero.stage3_max_live_parameters),
         predivide_factor=predivide, max_in_flight=2 if zero.overlap_comm else 0, on_final_grad=on_final_grad,
         comm_dtype=wire))
     with torch.no_grad():

@@ -130,13 +130,13 @@ class ZeroStage(abc.ABC):
         self._grad_sync.remove_hooks()
 
     # ---- stage 3's module hooks and gathered copies (nothing to do below it) ----------------
-    def release_gathered(self) -> None:
+    def release_gathered(self) -> None:  # noqa: B027 (a no-op below stage 3, not abstract)
         """Free every gathered copy of a partitioned weight now (each is gathered again when next used)."""
 
-    def detach_forward_hooks(self) -> None:
+    def detach_forward_hooks(self) -> None:  # noqa: B027 (a no-op below stage 3, not abstract)
         """Stop gathering in forward (the caller gathers itself: generation under ``GatheredParameters``)."""
 
-    def attach_forward_hooks(self) -> None:
+    def attach_forward_hooks(self) -> None:  # noqa: B027 (a no-op below stage 3, not abstract)
         """Gather in forward again after ``detach_forward_hooks``."""
 
     def forward_hook_handles(self) -> list[Any]:

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Piece:
-    """``length`` elements of parameter ``param`` starting at ``param_offset``, at ``flat_offset`` in the flat buffer."""
+    """``length`` elements of parameter ``param`` starting at ``param_offset``, at ``flat_offset`` in the flat buffer.
+    """
 
     param: int
     param_offset: int

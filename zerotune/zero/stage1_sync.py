@@ -71,7 +71,7 @@ class ReduceAtBoundaryGradSync:
             return
         self._due, self._reduced = False, True
         handles = []
-        for index, (fg, buffer, views) in enumerate(zip(self.flat_groups, self.grad_buffers, self._views)):
+        for fg, _buffer, views in zip(self.flat_groups, self.grad_buffers, self._views):
             for param, view in zip(fg.params, views):
                 if param.grad is not None and param.grad.data_ptr() != view.data_ptr():
                     view.copy_(param.grad)  # autograd replaced the view (e.g. create_graph=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import is_fake
 
 from zerotune.distributed import comm
 from zerotune.parallel.tensor.mappings import group_rank, group_world_size

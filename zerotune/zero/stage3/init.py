@@ -22,8 +22,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.modules.module import (register_module_module_registration_hook,
-                                     register_module_parameter_registration_hook)
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 
 from zerotune.distributed import comm
 from zerotune.zero.stage3.segment import FlatSegment

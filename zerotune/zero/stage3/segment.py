@@ -105,7 +105,8 @@ class FlatSegment:
         read back once by initialize) in its own storage."""
         if pool is not None and self.local.numel() > pool.buffer_size:
             raise ValueError(f"zero_optimization.offload_param.buffer_size is {pool.buffer_size} elements, smaller "
-                             f"than a unit's parameter shard ({self.local.numel()} elements); raise it to at least that")
+                             f"than a unit's parameter shard ({self.local.numel()} elements); raise it to at least "
+                             "that")
         store.allocate(name, self.local.numel(), self.local.dtype)
         store.write(name, self.local).wait()
         self._swap = (store, name, pool)

@@ -78,8 +78,8 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
                     self.masters.append(torch.nn.Parameter(flat[lo:hi]))
             if self.separate:
                 slots = range(first, len(self._slots))
-                self._placement.adopt(self.masters[first:], [lambda lo, values, slot=i: self._write_shard(slot, lo, values)
-                                                           for i in slots])
+                writers = [lambda lo, values, slot=i: self._write_shard(slot, lo, values) for i in slots]
+                self._placement.adopt(self.masters[first:], writers)
                 unit.trainable.on_local_changed.append(lambda u=unit: self._refresh_masters(u))
             if self._placement.resident:  # (else the values live in the placement's files)
                 self.master_flats[id(unit)] = flat
