@@ -203,3 +203,56 @@ def test_checkpoint_tag_mismatch_and_empty_directory_are_the_errors_deepspeed_ra
         assert dir_error.startswith("ValueError: engine.save_checkpoint() needs a directory")
     with pytest.raises(deepspeed.DeepSpeedConfigError, match="checkpoint.tag_validation"):
         load_config({"checkpoint": {"tag_validation": "foo"}})
+
+
+class _SparseEmbeddingModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.EmbeddingBag(10, 4, sparse=True)
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, ids: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.out(self.emb(ids)), y)
+
+
+def _sparse_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(step)
+    return torch.randint(0, 10, (4, 3), generator=generator), torch.randn(4, 1, generator=generator)
+
+
+def _sparse_gradients_run(stage: int) -> list[float]:
+    config = {"train_micro_batch_size_per_gpu": 2, "sparse_gradients": True, "zero_optimization": {"stage": stage},
+              "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+    engine, *_ = zerotune.initialize(model=_SparseEmbeddingModel(), config=config)
+    rank = torch.distributed.get_rank()
+    losses = []
+    for step in range(3):
+        ids, y = _sparse_batch(step)
+        loss = engine(ids[2 * rank:2 * rank + 2], y[2 * rank:2 * rank + 2])
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / 2)
+    engine.destroy()
+    return losses
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_sparse_gradients_true_trains_a_sparse_embedding_as_pytorch_does(stage: int) -> None:
+    """``sparse_gradients: true`` is accepted (with a note: reduced dense, the same values) and an
+    ``nn.EmbeddingBag(sparse=True)`` trains to the single-process result."""
+    assert any(path == "sparse_gradients" for path, _ in load_config({"train_batch_size": 2,
+                                                                      "sparse_gradients": True}).notes)
+    model = _SparseEmbeddingModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    for step in range(3):
+        loss = model(*_sparse_batch(step))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+    for losses in run_distributed(_sparse_gradients_run, 2, stage):
+        assert losses == pytest.approx(expected, rel=1e-5)

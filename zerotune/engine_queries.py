@@ -36,7 +36,7 @@ class EngineQueries:
     @property
     def sparse_tensor_module_names(self) -> set[str]:
         """DeepSpeed's embedding modules whose gradients it reduces as sparse tensors: none here, every gradient is
-        reduced dense (the config's ``sparse_gradients`` is accepted only as false)."""
+        made dense and reduced in the buckets (``sparse_gradients: true`` is accepted with a no-effect note)."""
         return set()
 
     @property

@@ -19,12 +19,16 @@ from torch.utils.hooks import RemovableHandle
 
 def register_grad_ready_hooks(params: Iterable[torch.nn.Parameter],
                               method: Callable[[torch.nn.Parameter], None]) -> list[RemovableHandle]:
-    """``method`` (a bound method) runs after autograd accumulates each parameter's gradient."""
+    """``method`` (a bound method) runs after autograd accumulates each parameter's gradient. A sparse gradient
+    (``nn.Embedding(sparse=True)``) is made dense first: every gradient sync reduces dense buckets, which hold
+    the same values (DeepSpeed's ``sparse_gradients`` changes only the bytes sent)."""
     weak_method = weakref.WeakMethod(method)
 
     def on_grad_ready(param: torch.nn.Parameter) -> None:
         target = weak_method()
         if target is not None:
+            if param.grad is not None and param.grad.is_sparse:
+                param.grad = param.grad.to_dense()
             target(param)
 
     handles = [param.register_post_accumulate_grad_hook(on_grad_ready) for param in params]
