@@ -154,6 +154,11 @@ class MasterPlacement:
         self.staged_steps += 1
         return list(self._staging)
 
+    def refresh(self, master_index: int, values: torch.Tensor) -> None:
+        """Overwrite master ``master_index`` where it is not resident (NVMe offload): a resident master is copied
+        into by its state."""
+        raise NotImplementedError(f"{type(self).__name__} keeps its masters in memory: copy into them directly")
+
     def clear_staging(self) -> None:
         self._staged = [0] * len(self._staging)
 

@@ -102,13 +102,15 @@ def _build_stage1_or_2(zero: Any, group_params: list[list[torch.nn.Parameter]], 
                        norm: ModelParallelNorm | None, wire: torch.dtype | None) -> ShardedState:
     bucket = int(zero.reduce_bucket_size)
     if zero.stage == 1:
-        def make_grad_sync(flat_groups: list, on_final_grad: Any) -> ReduceAtBoundaryGradSync:
+        def make_grad_sync(flat_groups: list, on_final_grad: Any
+                           ) -> ReduceAtBoundaryGradSync | BucketedReduceGradSync:
             return ReduceAtBoundaryGradSync(flat_groups, group, bucket_numel=bucket, predivide_factor=predivide,
                                             compressor=compressor, comm_dtype=wire)
     else:
         position = {id(p): i for i, p in enumerate(trainable)}
 
-        def make_grad_sync(flat_groups: list, on_final_grad: Any) -> BucketedReduceGradSync:
+        def make_grad_sync(flat_groups: list, on_final_grad: Any
+                           ) -> ReduceAtBoundaryGradSync | BucketedReduceGradSync:
             return BucketedReduceGradSync(flat_groups, group, bucket_numel=bucket, position=position,
                                           predivide_factor=predivide, max_in_flight=2 if zero.overlap_comm else 0,
                                           compressor=compressor, on_final_grad=on_final_grad, comm_dtype=wire)

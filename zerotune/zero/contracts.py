@@ -19,12 +19,14 @@ implementations each (``tests/test_zero_contracts.py`` checks them, and that a f
 from __future__ import annotations
 
 import abc
-from typing import Any, Protocol, Sequence, runtime_checkable
+from collections.abc import Set as AbstractSet
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-from zerotune.zero.held import HeldPiece
+if TYPE_CHECKING:  # (held.py's HeldStateDict is a part of a ZeroStage: it imports this module)
+    from zerotune.zero.held import HeldPiece
 
 TiedWeight = tuple[torch.nn.Parameter, dist.ProcessGroup | None]
 """A weight tied across pipeline stages and the group of the stages holding it: its gradient is summed there."""
@@ -225,5 +227,5 @@ class ZeroStage(abc.ABC):
 
     @abc.abstractmethod
     def load_state_dict(self, source: Any, optimizer: torch.optim.Optimizer | None, names: dict[int, str], *,
-                        weights: bool = True, skip: set[str] = frozenset()) -> None:
+                        weights: bool = True, skip: AbstractSet[str] = frozenset()) -> None:
         """Take what this rank holds now from a source of pieces saved at any layout."""

@@ -25,23 +25,27 @@ from __future__ import annotations
 
 import weakref
 from types import SimpleNamespace
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zerotune.distributed import comm
+from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.held import HeldPiece
 
-_NO_OPTIMIZER = SimpleNamespace(state={}, param_groups=[])
+# a stand-in with no state (the placements read only ``state`` / ``param_groups``), typed as what they take
+_NO_OPTIMIZER = cast(torch.optim.Optimizer, SimpleNamespace(state={}, param_groups=[]))
 """Stands in for an engine built without an optimizer: masters are still there to read and write."""
 
 
-class ParamFragments:
+class ParamFragments(ZeroStage):
     """Per-parameter access to a ZeRO state's masters, optimizer state and gradients (see the module docstring).
 
     Mixed into each state, which provides ``params``, ``masters``, ``master_pieces()``, ``placement``,
     ``grad_sync``, ``master_grads()`` and, when its masters are sharded, ``group``."""
+
+    group: Any  # the data-parallel process group, where ``shards_masters``
 
     """Whether each master element has one holder over the data-parallel group (stages 1-3), so full values
     are assembled by an all-reduce; False where every rank holds every master (stage 0)."""

@@ -13,6 +13,7 @@ other (dp, tp, pp, ZeRO stage, offload): ``HeldStateDict`` gives every state its
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -20,6 +21,7 @@ import torch
 
 from zerotune.parallel.tensor.layout import tp_layout_of
 from zerotune.parallel.tensor.state_dict import full_shape
+from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.partition import FlatLayout
 
 
@@ -65,7 +67,7 @@ def weight_kind(source: PieceSource, name: str, param: torch.Tensor) -> str:
     return MASTER if param.dtype == torch.float32 and source.has(name, MASTER) else WEIGHT
 
 
-class HeldStateDict:
+class HeldStateDict(ZeroStage):
     """``state_dict()`` / ``load_state_dict()`` by parameter name for a state that says what it holds
     (``master_pieces``, ``weight_pieces``, ``masters``, ``placement``): the layout-independent form a checkpoint
     stores, so a state built at any layout loads what a state at any other saved."""
@@ -119,7 +121,7 @@ class HeldStateDict:
 
     @torch.no_grad()
     def load_state_dict(self, source: PieceSource, optimizer: torch.optim.Optimizer | None, names: dict[int, str],
-                        *, weights: bool = True, skip: set[str] = frozenset()) -> None:
+                        *, weights: bool = True, skip: AbstractSet[str] = frozenset()) -> None:
         """Take what this rank holds from ``source``: with ``weights``, the partitioned weights (stage 3, except
         ``skip``) and the masters refreshed from the model's weights; with an optimizer, the masters (saved
         masters, or the weights: exact for an fp32 source) and the optimizer state. Checked beforehand

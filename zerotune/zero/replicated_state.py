@@ -25,6 +25,9 @@ from zerotune.zero.held import HeldPiece, HeldStateDict
 class ReplicatedState(HeldStateDict, ParamFragments, ZeroStage):
     """Full fp32 masters (or the parameters themselves in fp32) and the all-reduce gradient sync."""
 
+    _grad_sync: AllReduceGradSync
+    _placement: MasterPlacement
+
     def __init__(self, weights: MasterWeights, grad_sync: AllReduceGradSync,
                  model_parallel_norm: ModelParallelNorm | None = None) -> None:
         """``weights``: the masters, taken while the parameters still held their fp32 values (before the cast);
@@ -44,8 +47,8 @@ class ReplicatedState(HeldStateDict, ParamFragments, ZeroStage):
     def params(self) -> list[torch.nn.Parameter]:
         return self.weights.params
 
-    @property
-    def masters(self) -> list[torch.nn.Parameter]:
+    @property  # read-only here: the masters are ``weights``' (ZeroStage declares the attribute the others set)
+    def masters(self) -> list[torch.nn.Parameter]:  # type: ignore[override]
         return self.weights.masters
 
     shards_masters = False  # every rank holds every master whole

@@ -16,7 +16,7 @@ In fp32 the master shard is a view of the model's flat parameters: no second cop
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,10 @@ from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
 from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
 from zerotune.zero.partition import FlatLayout, flat_layout
+
+if TYPE_CHECKING:
+    from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync
+    from zerotune.zero.stage2_sync import BucketedReduceGradSync
 
 
 def _own_fp32_slice(params: Sequence[torch.nn.Parameter], layout: FlatLayout, rank: int) -> torch.Tensor:
@@ -54,10 +58,13 @@ class ShardedState(HeldStateDict, ParamFragments, ZeroStage):
     """Flat parameters + master shards of every param group, and the step phases that use them."""
 
     shards_masters = True
+    _grad_sync: ReduceAtBoundaryGradSync | BucketedReduceGradSync
+    _placement: MasterPlacement
 
     def __init__(self, group_params: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
                  group: dist.ProcessGroup | None, *, allgather_bucket_numel: int,
-                 make_grad_sync: Callable[[list[FlatParamGroup], Callable | None], Any],
+                 make_grad_sync: Callable[[list[FlatParamGroup], Callable | None],
+                                           ReduceAtBoundaryGradSync | BucketedReduceGradSync],
                  placement: MasterPlacement | None = None, stage_grads: bool = False,
                  model_parallel_norm: ModelParallelNorm | None = None) -> None:
         """Call while the parameters still hold their fp32 values: masters are taken before rounding.
@@ -80,7 +87,7 @@ class ShardedState(HeldStateDict, ParamFragments, ZeroStage):
             fg = FlatParamGroup(params, world, self.rank, dtype=policy.param_dtype)
             self.flat_groups.append(fg)
             # fp32 without offload: the master shard *is* the model's slice (a view); else a separate fp32 copy.
-            master = self._placement.place(fp32_slice) if self.separate else fg.owned
+            master = self._placement.place(fp32_slice) if fp32_slice is not None else fg.owned
             self.masters.append(torch.nn.Parameter(master))
         if self.separate:
             self._placement.adopt(self.masters, [_range_writer(fg.owned) for fg in self.flat_groups])
@@ -173,7 +180,7 @@ class ShardedState(HeldStateDict, ParamFragments, ZeroStage):
                     break
             if local:
                 break
-        found = [name for name in comm.all_gather_object(local, self.group) if name]
+        found = [str(name) for name in comm.all_gather_object(local, self.group) if name]
         return found[0] if found else "<none found>"
 
     def master_bytes(self) -> int:

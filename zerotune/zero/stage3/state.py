@@ -49,6 +49,8 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
 
     partitions_weights = True
     shards_masters = True
+    _grad_sync: UnitScheduler  # (set by ``start_schedule``)
+    _placement: MasterPlacement
 
     def __init__(self, trainable_groups: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
                  group: dist.ProcessGroup | None, placement: MasterPlacement | None = None) -> None:
@@ -59,7 +61,6 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
         self._placement = placement or MasterPlacement()
         self.separate = self._placement.separate_masters(policy.mixed)
         self.group = group
-        self._grad_sync: UnitScheduler | None = None
         self._groups = [list(g) for g in trainable_groups]
         self._group_of = {id(p): g for g, params in enumerate(self._groups) for p in params}
         self.master_flats: dict[int, torch.Tensor] = {}
@@ -226,7 +227,7 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
                 if hi > lo and not torch.isfinite(unit.grad_shard[begin:begin + hi - lo]).all():
                     local = names.get(id(sharded.param), "<unnamed>")
                     break
-        found = [name for name in comm.all_gather_object(local, self.group) if name]
+        found = [str(name) for name in comm.all_gather_object(local, self.group) if name]
         return found[0] if found else "<none found>"
 
     def master_bytes(self) -> int:
