@@ -204,7 +204,7 @@ def test_an_incomplete_stage_cannot_be_built() -> None:
 
 
 def _engine_on_a_fake_stage() -> dict:
-    initialize_module = importlib.import_module("zerotune.initialize")
+    initialize_module = importlib.import_module("zerotune.initialize_phases")
     built: list[FakeStage] = []
 
     def build_fake(cfg: Any, groups: Any, trainable: Sequence[torch.nn.Parameter], *args: Any, **kwargs: Any):

@@ -33,7 +33,7 @@ from zerotune.distributed.env import DistEnv, init_distributed
 from zerotune.distributed.mesh import ParallelDims, ProcessMesh
 from zerotune.inference.config import InferenceConfig
 from zerotune.inference.injection import rules_from_injection_policy
-from zerotune.initialize import _broadcast_from_rank0
+from zerotune.initialize_phases import broadcast_from_rank0
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.tensor.autotp import TensorParallelPlanError, apply_autotp
 from zerotune.parallel.tensor.plans import PLANS
@@ -167,7 +167,7 @@ def _split(model: nn.Module, config: InferenceConfig, group: torch.distributed.P
             f"(model_type {model_type!r}); built-in plans: {', '.join(sorted(PLANS))}. Name each block's "
             "row-parallel linears: injection_policy={BlockClass: ('self_attn.o_proj', 'mlp.down_proj')}")
     rules = rules_from_injection_policy(model, policy) if policy else ()
-    _broadcast_from_rank0(model, staging=env.device)
+    broadcast_from_rank0(model, staging=env.device)
     try:
         sharded = apply_autotp(model, group, layer_specs=rules, gather_logits=True)
     except TensorParallelPlanError as error:  # its messages name the training key
