@@ -37,7 +37,8 @@ class Engine(EngineCompile, EngineCore):
         self._inside_no_sync = False
         # Stage 3 gathers parameters and model parallelism exchanges activations in the forward; otherwise a
         # forward is local (a rank may evaluate alone) and the collective guard leaves it out.
-        self._forward_communicates = self.state.partitions_weights or self.mesh.size("tp") > 1 or self.mesh.size("sp") > 1
+        self._forward_communicates = (self.state.partitions_weights or self.mesh.size("tp") > 1
+                                      or self.mesh.size("sp") > 1)
         self._step_calls = 0  # engine.step() calls: the micro-steps this engine has run (never rewound)
         self._guarded_at = -1  # one collective-guard point per micro-step, before its first collective
 

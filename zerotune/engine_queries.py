@@ -167,6 +167,7 @@ class EngineQueries:
         if self.optimizer is not None:
             optimizer_bytes = sum(t.numel() * t.element_size() for s in self.optimizer.state.values()
                                   for t in s.values() if isinstance(t, torch.Tensor))
-        return {"params": sum(storages.values()) + self.state.partitioned_param_bytes(), "grads": self.state.grad_bytes(),
+        return {"params": sum(storages.values()) + self.state.partitioned_param_bytes(),
+                "grads": self.state.grad_bytes(),
                 "master_weights": self.state.master_bytes(), "optimizer_state": optimizer_bytes,
                 "comm_buffers": self.state.buffer_bytes()}

@@ -26,10 +26,22 @@ from zerotune.distributed.mesh import ProcessMesh, build_mesh
 from zerotune.engine import Engine
 from zerotune.engine_curriculum import curriculum_notes
 from zerotune.engine_data import build_dataloader
-from zerotune.initialize_parallel import (check_model_parallel_composes, install_sequence_parallel,
-                                          model_parallel_norm, parallel_dims, split_tensor_parallel)
+from zerotune.initialize_parallel import (
+    check_model_parallel_composes,
+    install_sequence_parallel,
+    model_parallel_norm,
+    parallel_dims,
+    split_tensor_parallel,
+)
 from zerotune.monitor.logging import log_rank0
-from zerotune.optim import Lamb, apply_lr_scaling, build_optimizer, build_scheduler, optimizer_defaults, scale_schedule_lrs
+from zerotune.optim import (
+    Lamb,
+    apply_lr_scaling,
+    build_optimizer,
+    build_scheduler,
+    optimizer_defaults,
+    scale_schedule_lrs,
+)
 from zerotune.optim.onebit_adam import OneBitAdam
 from zerotune.parallel.activation_checkpointing import checkpoint_blocks_at_initialize
 from zerotune.pipe.engine import PipelineEngine
@@ -180,8 +192,9 @@ def build_training(setup: RunSetup, stage: StagePiece, client_optimizer: Any, cl
                                                 "compresses the momentum itself; DeepSpeed's refuses ZeRO too)")
         optimizer.comm_group = setup.mesh.group("dp_sp")
     if isinstance(optimizer, Lamb) and stage.state.shards_masters:
-        raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stages 1-3 is not supported yet: its per-parameter "
-                                                     "trust ratios need whole parameters; use stage 0 or Adam/AdamW")
+        raise NotSupportedYetError("optimizer.type", "Lamb with ZeRO stages 1-3 is not supported yet: its "
+                                                     "per-parameter trust ratios need whole parameters; use stage 0 "
+                                                     "or Adam/AdamW")
     if cfg.lr_scaling is not None and optimizer is not None:
         factor = apply_lr_scaling(optimizer, cfg.lr_scaling.rule, cfg.train_batch_size, cfg.lr_scaling.base_batch_size)
         log_rank0("lr_scaling: %s rule x%g (train_batch_size %d / base_batch_size %d), lr now %s",
@@ -285,7 +298,8 @@ def _build_optimizer(raw_optimizer: Any, client: Any, master_groups: list[dict])
                   rank=_global_rank(), level=logging.WARNING)
     if isinstance(client, torch.optim.Optimizer):
         if client.state:
-            raise ValueError("the client optimizer already holds state; pass a fresh one (load state via load_checkpoint)")
+            raise ValueError("the client optimizer already holds state; pass a fresh one (load state via "
+                             "load_checkpoint)")
         for group, master_group in zip(client.param_groups, master_groups):
             group["params"] = master_group["params"]
         return client

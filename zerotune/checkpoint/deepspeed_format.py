@@ -156,7 +156,8 @@ def _split_flat(flat: torch.Tensor, shapes: dict[str, torch.Size], source: Path,
         out[name] = flat[offset:offset + numel].view(shape).clone()
         offset += numel
     if flat.numel() - offset > slack:
-        raise CheckpointError(f"{source}: {flat.numel() - offset} elements of the flat partitions belong to no parameter")
+        raise CheckpointError(f"{source}: {flat.numel() - offset} elements of the flat partitions belong to no "
+                              "parameter")
     return out
 
 
@@ -214,7 +215,8 @@ def _merge_stage3(models: list[dict], optims: list[dict], files: list[Path]) -> 
         numel = math.prod(shape)
         part = math.ceil(numel / world)
         if offset + part > flats[0].numel():
-            raise CheckpointError(f"{files[0]}: fp32_flat_groups are too short for '{name}' (param_shapes does not match)")
+            raise CheckpointError(f"{files[0]}: fp32_flat_groups are too short for '{name}' (param_shapes does not "
+                                  "match)")
         weights[name] = _gather(flats, offset, part, shape)
         for k in state_flats[0]:
             states.setdefault(name, {})[k] = _gather([s[k] for s in state_flats], offset, part, shape)
@@ -240,7 +242,8 @@ def read_deepspeed_checkpoint(directory: Path, tag: str | None = None) -> DeepSp
     model0 = _load(stage3_model if stage3_model.is_file() else tag_dir / "mp_rank_00_model_states.pt")
     if model0.get("mp_world_size", 1) != 1 or model0.get("param_shapes") is None:
         raise CheckpointError(f"{tag_dir} is not a ZeRO stage 1-3 checkpoint with mp_world_size 1 (mp_world_size="
-                              f"{model0.get('mp_world_size')}, param_shapes={type(model0.get('param_shapes')).__name__})")
+                              f"{model0.get('mp_world_size')}, "
+                              f"param_shapes={type(model0.get('param_shapes')).__name__})")
     prefix = "bf16_zero" if (tag_dir / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt").is_file() else "zero"
     name = prefix + "_pp_rank_{}_mp_rank_00_optim_states.pt"
     first = _load(tag_dir / name.format(0))

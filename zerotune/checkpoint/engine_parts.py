@@ -117,7 +117,8 @@ def check_frozen_base(train: TrainState, saved: dict, path: Path) -> None:
     for name in sorted(set(live["shapes"]) | set(recorded["shapes"])):
         if live["shapes"].get(name) != recorded["shapes"].get(name):
             raise CheckpointError(f"{path} was saved without its frozen base, which does not match this model's: "
-                                  f"'{name}' is {recorded['shapes'].get(name)} there and {live['shapes'].get(name)} here")
+                                  f"'{name}' is {recorded['shapes'].get(name)} there and "
+                                  f"{live['shapes'].get(name)} here")
     if live["sha256"] != recorded["sha256"]:
         raise CheckpointError(f"{path} was saved without its frozen base, and this model's frozen weights are not the "
                               "ones it was trained on (their SHA-256 differs): load the same base model")

@@ -36,6 +36,7 @@ from zerotune.checkpoint.atomic import (
     write_file_atomically,
     write_manifest,
 )
+from zerotune.checkpoint.deepspeed_format import as_piece_reader, is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from zerotune.checkpoint.engine_parts import (
     MODEL_FILE_PATTERN,
     check_frozen_base,
@@ -51,8 +52,6 @@ from zerotune.checkpoint.engine_parts import (
     rng_state,
     set_rng_state,
 )
-from zerotune.checkpoint.train_state import Counters, TrainState
-from zerotune.checkpoint.deepspeed_format import as_piece_reader, is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from zerotune.checkpoint.logical import (
     SHARD_FILE_PATTERN,
     PieceReader,
@@ -62,6 +61,7 @@ from zerotune.checkpoint.logical import (
     rank_pieces,
     shard_file,
 )
+from zerotune.checkpoint.train_state import Counters, TrainState
 from zerotune.distributed import comm
 from zerotune.monitor.logging import get_logger, log_rank0
 

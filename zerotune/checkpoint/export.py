@@ -23,8 +23,14 @@ from typing import Iterator
 
 import torch
 
-from zerotune.checkpoint.atomic import (CheckpointError, read_file, read_manifest, resolve_tag, tag_directory,
-                                       verify_files)
+from zerotune.checkpoint.atomic import (
+    CheckpointError,
+    read_file,
+    read_manifest,
+    resolve_tag,
+    tag_directory,
+    verify_files,
+)
 from zerotune.checkpoint.deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from zerotune.checkpoint.engine_parts import MODEL_FILE_PATTERN
 from zerotune.checkpoint.logical import MASTER, SHARD_FILE_PATTERN, WEIGHT, PieceReader

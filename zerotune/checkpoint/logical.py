@@ -34,8 +34,6 @@ from zerotune.parallel.tensor.state_dict import full_shape
 from zerotune.zero.held import MASTER, OPTIM, WEIGHT, tp_of, weight_kind
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 
-
-
 SHARD_FILE_PATTERN = re.compile(r"shard_rank\d+\.pt")
 
 

@@ -64,7 +64,8 @@ def run_launch(args: argparse.Namespace) -> int:
     parsed = torchrun.parse_args(torchrun_args)
     if "--as-deepspeed" in own:
         if parsed.no_python:
-            raise SystemExit("zerotune run: --as-deepspeed runs a Python script; it cannot be combined with --no-python")
+            raise SystemExit("zerotune run: --as-deepspeed runs a Python script; it cannot be combined with "
+                             "--no-python")
         launch_args = (["--no_local_rank"] if "--no_local_rank" in own else []) + (["-m"] if parsed.module else [])
         parsed.training_script_args = [*launch_args, parsed.training_script, *parsed.training_script_args]
         parsed.training_script, parsed.module = "zerotune.compat.launch", True

@@ -21,18 +21,29 @@ import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
-from zerotune.finetune.console import quiet_libraries
 from zerotune.finetune.best import BEST_DIR, BestTracker, tracker_for
-from zerotune.finetune.interrupt import CHECKPOINTS, leave_quietly_on_interrupt
+from zerotune.finetune.console import quiet_libraries
 from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
-from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
-from zerotune.finetune.models import (apply_method, load_model, load_tokenizer, resolve_model_path, save_trained_model,
-                                      trainable_summary)
-from zerotune.finetune.packing import (causal_lm_class, check_packing_support, pack_examples, packed_collator,
-                                       prepare_for_packing)
+from zerotune.finetune.interrupt import CHECKPOINTS, leave_quietly_on_interrupt
+from zerotune.finetune.models import (
+    apply_method,
+    load_model,
+    load_tokenizer,
+    resolve_model_path,
+    save_trained_model,
+    trainable_summary,
+)
+from zerotune.finetune.packing import (
+    causal_lm_class,
+    check_packing_support,
+    pack_examples,
+    packed_collator,
+    prepare_for_packing,
+)
 from zerotune.finetune.recipe import RecipeError, load_recipe, recipe_engine_config
 from zerotune.finetune.recipe_engine import fit_engine_to_run
 from zerotune.finetune.samples import EvalSamples, sample_conversations
+from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
 from zerotune.monitor.logging import log_rank0
 
 SAMPLES = "samples.jsonl"
@@ -79,8 +90,8 @@ def check_merge(recipe, merge: bool) -> None:
     if not merge:
         return
     if recipe.method.type == "prefix":
-        raise RecipeError("--merge", "prefix tuning learns virtual tokens that are fed as inputs, not weights that can be "
-                                     "merged into the base; drop --merge (the run saves OUTPUT/adapter, which "
+        raise RecipeError("--merge", "prefix tuning learns virtual tokens that are fed as inputs, not weights that "
+                                     "can be merged into the base; drop --merge (the run saves OUTPUT/adapter, which "
                                      "zerotune generate loads over its base)")
     if recipe.method.type in ("full", "freeze"):
         log_rank0("--merge has no effect on a %s run: it saves the whole model (OUTPUT/model)", recipe.method.type,
@@ -103,8 +114,8 @@ def load_task_data(recipe, tokenizer) -> tuple:
     max_length = recipe.data.max_length
     if recipe.task == "causal-lm":
         train_set, eval_set = _load_causal_lm(recipe)
-        return (tokenize_causal_lm(train_set, tokenizer, max_length), tokenize_causal_lm(eval_set, tokenizer, max_length),
-                [], eval_set)
+        return (tokenize_causal_lm(train_set, tokenizer, max_length),
+                tokenize_causal_lm(eval_set, tokenizer, max_length), [], eval_set)
     train_set, eval_set, label_names = load_classification_data(_data_spec(recipe))
     return (tokenize_classification(train_set, tokenizer, max_length),
             tokenize_classification(eval_set, tokenizer, max_length), label_names, eval_set)
@@ -163,7 +174,8 @@ def run(args: argparse.Namespace) -> dict:
     samples = None
     if recipe.task == "causal-lm" and (recipe.train.eval_samples or recipe.train.sample_prompts):
         samples = EvalSamples(sample_conversations(eval_rows, recipe.train.sample_prompts, recipe.train.eval_samples),
-                              tokenizer, recipe.train.sample_max_new_tokens, output / SAMPLES if env.rank == 0 else None)
+                              tokenizer, recipe.train.sample_max_new_tokens,
+                              output / SAMPLES if env.rank == 0 else None)
 
     def evaluate() -> dict:
         result = loop.evaluate(engine, evaluation, recipe.task, len(label_names))
