@@ -1,22 +1,27 @@
 #!/usr/bin/env bash
 # Training tools that drive DeepSpeed, run unchanged on zerotune: for each TOOL, one virtual environment
-# with the tool installed next to this environment's packages (torch, transformers, accelerate, zerotune:
-# seen through a .pth file, never reinstalled) and `zerotune deepspeed-alias install`, then the tool's case
-# script (scripts/ecosystem/TOOL_case.py) on 2 CPU ranks: its own non-DeepSpeed run, then ZeRO 2 and ZeRO 3
-# through its DeepSpeed path, logged losses compared. One line per tool:
+# resolved with the tool's own pins, then `zerotune deepspeed-alias install` in it, then the tool's case script
+# (scripts/ecosystem/TOOL_case.py) on 2 CPU ranks: its own non-DeepSpeed run, then ZeRO 2 and ZeRO 3 through its
+# DeepSpeed path, logged losses compared. One line per tool:
 #
 #   TOOL VERSION: ZeRO 2 <ok|FAILED: why|MISMATCH: ...> | ZeRO 3 <...> | max rel loss diff vs non-DeepSpeed R (methods)
-#   TOOL VERSION: NOT INSTALLABLE: <the pin that conflicts with this environment / zerotune's bounds>
+#   TOOL VERSION: NOT INSTALLABLE: <each pin that contradicts zerotune's bounds or this torch | what is never installed
+#                 here yet imported on the case's path>
 #
 #   scripts/ecosystem_check.sh [--fresh] TOOL...        TOOL: trl, ray, llamafactory, axolotl, lightning, accelerate
 #
 # The tool's version is the registry's pin below; TOOL_VERSION=latest (e.g. TRL_VERSION=latest) or
-# TRL_VERSION=1.15.0 picks another. The tool is installed with --no-deps; what `pip check` then finds
-# missing is installed with --no-deps too (pure-Python packages only: torch, CUDA wheels and DeepSpeed are
-# never installed); a requirement this environment does not meet is printed as the conflicting pin, with
-# zerotune's own bound for that package (pyproject.toml), and the tool is not run.
-# Work directory: ${ECOSYSTEM_DIR:-${TMPDIR:-/tmp}/zerotune-ecosystem}/TOOL (the venv, run/ with the case's
-# outputs, failures.log with the ranks' output of a failed mode); --fresh rebuilds the venv.
+# TRL_VERSION=1.15.0 picks another. The venv sees this checkout (zerotune) and this environment's site-packages
+# through a .pth file, after its own site-packages: what the tool's requirements need (pip's resolver, run on the
+# tool's requirements with this torch and zerotune's bounds, pyproject.toml, as constraints) is installed into the
+# venv and shadows this environment's version; what this environment already meets is used as it is. Never
+# installed: torch (this environment's), DeepSpeed (the alias stands in), CUDA-only packages (NEVER below), and
+# torchvision / torchaudio where no release is built for this torch. A tool is NOT INSTALLABLE only where its
+# pins contradict zerotune's bounds or this torch (pip's conflict, each pin named), or where its case imports a
+# package that is never installed here (the case's ModuleNotFoundError, with the importing file:line).
+# Work directory: ${ECOSYSTEM_DIR:-${TMPDIR:-/tmp}/zerotune-ecosystem}/TOOL (the venv, pip.log, resolve/ with the
+# resolver's input and report, run/ with the case's outputs, failures.log with the ranks' output of a failed
+# mode); --fresh rebuilds the venv.
 #
 # Adding a tool: a registry line below (pip name, pinned version) and scripts/ecosystem/TOOL_case.py, a
 # driver that prints the line above with --line (scripts/ecosystem/common.py does the launching,
@@ -32,10 +37,12 @@ declare -A REGISTRY=(
   [lightning]="lightning 2.6.6"
   [accelerate]="accelerate 1.16.0"
 )
-# Never installed into a tool's venv, whatever it asks for (heavy, CUDA-bound, or what zerotune stands in for).
-NEVER='^(torch|torchvision|torchaudio|triton|deepspeed|vllm|xformers|flash[-_]attn|bitsandbytes|nvidia-.*|liger[-_]kernel)$'
+# Never installed into a tool's venv, whatever it asks for: torch (this environment's), DeepSpeed (the alias stands
+# in), CUDA-only packages. TORCH_BUILT: installed only where a release built for this torch exists.
+NEVER='^(torch|deepspeed|triton|vllm|xformers|flash[-_]attn|bitsandbytes|nvidia-.*|liger[-_]kernel)$'
+TORCH_BUILT='^(torchvision|torchaudio)$'
 
-usage() { sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
 fresh=0 tools=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -51,24 +58,17 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 work=${ECOSYSTEM_DIR:-${TMPDIR:-/tmp}/zerotune-ecosystem}
 
-make_venv() {  # make_venv DIR: a venv that also sees this environment's site-packages and this checkout
-  local dir=$1
+make_venv() {  # make_venv DIR: a venv that also sees this checkout and this environment's site-packages, in that
+  local dir=$1  # order, both after the venv's own site-packages (a .pth file's lines follow the directory it is in)
   [ -x "$dir/bin/python" ] || "$python" -m venv --without-pip "$dir" || return 1
   local outer inner
   outer=$("$python" -c 'import site; print("\n".join(site.getsitepackages()))')
   inner=$("$dir/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-  printf '%s\n%s\n' "$outer" "$here" > "$inner/_zerotune_ecosystem_outer.pth"
-}
-
-zerotune_bound() {  # zerotune_bound PACKAGE: zerotune's own requirement on it (pyproject.toml), if any
-  "$python" - "$1" "$here/pyproject.toml" <<'EOF'
-import re, sys
-name = re.sub(r"[-_.]+", "-", sys.argv[1]).lower()
-for spec in re.findall(r'"([A-Za-z0-9_.\-\[\]]+[^"]*)"', open(sys.argv[2]).read()):
-    head = re.match(r"[A-Za-z0-9_.\-]+", spec)
-    if head and re.sub(r"[-_.]+", "-", head.group(0)).lower() == name:
-        print(spec); break
-EOF
+  printf '%s\n%s\n' "$here" "$outer" > "$inner/_zerotune_ecosystem_outer.pth"
+  # torch's console script, as a venv with torch installed has it (a tool's CLI that starts `torchrun` finds it
+  # on PATH and its ranks run in the venv)
+  printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$@"\n' "$dir/bin/python" > "$dir/bin/torchrun"
+  chmod +x "$dir/bin/torchrun"
 }
 
 requested() {  # requested TOOL: the version asked for (TOOL_VERSION overrides the registry's pin)
@@ -77,47 +77,116 @@ requested() {  # requested TOOL: the version asked for (TOOL_VERSION overrides t
   echo "${!override_var:-$pinned}"
 }
 
-new_problems() {  # new_problems VENV: what `pip check` finds in the venv that it does not find out here
-  local outer
-  outer=$("$python" -m pip check --disable-pip-version-check 2>&1)
-  "$1/bin/python" -m pip check --disable-pip-version-check 2>&1 | grep -vxF -e "No broken requirements found." \
-    -f <(printf '%s\n' "$outer") || true
+pip_in() {  # pip_in VENV ARGS...: pip (this environment's, run by the venv's python) into the venv, logged
+  local venv=$1; shift
+  echo "+ pip $*" >> "$venv/pip.log"
+  "$venv/bin/python" -m pip --disable-pip-version-check "$@" >> "$venv/pip.log" 2>&1
+}
+
+split_requirements() {  # split_requirements VENV PACKAGE: the installed PACKAGE's requirements (markers evaluated in
+  # the venv, no extras) into VENV/resolve/requirements.txt, those of NEVER / TORCH_BUILT into never.txt; and
+  # constraints.txt: this torch and zerotune's bounds (pyproject.toml: its dependencies and the hf extra)
+  "$1/bin/python" - "$2" "$here/pyproject.toml" "$1/resolve" "$NEVER" "$TORCH_BUILT" <<'EOF'
+import importlib.metadata as md, re, sys, tomllib
+from pathlib import Path
+from packaging.requirements import Requirement
+package, pyproject, out, never, torch_built = sys.argv[1:]
+out = Path(out)
+out.mkdir(exist_ok=True)
+keep, skip = [], []
+for line in md.requires(package) or []:
+    req = Requirement(line)
+    if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+        continue
+    name = re.sub(r"[-_.]+", "-", req.name).lower()
+    (skip if re.match(never, name) or re.match(torch_built, name) else keep).append(f"{req.name}{req.specifier}")
+project = tomllib.loads(Path(pyproject).read_text())["project"]
+bounds = [Requirement(spec) for spec in project["dependencies"] + project["optional-dependencies"]["hf"]]
+constraints = [f"torch=={md.version('torch')}"] + [f"{r.name}{r.specifier}" for r in bounds
+                                                 if r.name != "torch" and str(r.specifier)]
+(out / "requirements.txt").write_text("".join(f"{r}\n" for r in keep))
+(out / "never.txt").write_text("".join(f"{r}\n" for r in skip))
+(out / "constraints.txt").write_text("".join(f"{c}\n" for c in constraints))
+EOF
+}
+
+conflict() {  # conflict TOOL LOG: pip's "The conflict is caused by" lines, the tool's and zerotune's pins named
+  sed -n '/The conflict is caused by:/,/^ *$/p' "$2" | sed '1d;/^ *$/d;s/^ *//' |
+    sed "s/^The user requested (constraint) /zerotune: /;s/^The user requested /$1 requires /" | sort -u |
+    paste -sd ';' | sed 's/;/; /g'
 }
 
 install_tool() {  # install_tool TOOL VENV: prints the installed version, or "NOT INSTALLABLE: why" and fails
-  local tool=$1 venv=$2 package version spec vpy=$2/bin/python
+  local tool=$1 venv=$2 package version spec name req why res=$2/resolve
   read -r package _ <<< "${REGISTRY[$tool]}"
   version=$(requested "$tool")
   spec=$package; [ "$version" = latest ] || spec="$package==$version"
-  if ! "$vpy" -m pip install -q --no-deps --disable-pip-version-check "$spec" > "$venv/pip.log" 2>&1; then
+  : > "$venv/pip.log"
+  if ! pip_in "$venv" install -q --no-deps "$spec"; then
     echo "NOT INSTALLABLE: pip install --no-deps $spec failed: $(grep -m1 -i error "$venv/pip.log")"; return 1
   fi
-  local round problems missing conflicts name line out bound
-  for round in 1 2 3 4 5; do  # missing dependencies, then theirs
-    problems=$(new_problems "$venv")
-    missing=$(sed -n 's/^.* requires \([A-Za-z0-9_.\-]*\), which is not installed\.$/\1/p' <<< "$problems" | sort -u)
-    # every pin this environment does not meet, before anything else is installed: "X 1.0 has requirement
-    # transformers>=4.56, but you have transformers 4.46.0." (only the tool's tree), and what it requires
-    # that is never installed here
-    out=""
-    conflicts=$(grep ' has requirement ' <<< "$problems" || true)
-    while IFS= read -r line; do
-      [ -n "$line" ] || continue
-      name=$(sed -n 's/^.* has requirement \([A-Za-z0-9_.\-]*\).*$/\1/p' <<< "$line")
-      bound=$(zerotune_bound "$name" || true)
-      out+="${out:+; }${line%.}${bound:+ (zerotune: $bound)}"
-    done <<< "$conflicts"
-    for name in $missing; do
-      [[ ${name,,} =~ $NEVER ]] && out+="${out:+; }$(grep -m1 "requires $name," <<< "$problems" | sed 's/\.$//') (never installed here)"
-    done
-    [ -z "$out" ] || { echo "NOT INSTALLABLE: $out"; return 1; }
-    [ -n "$missing" ] || break
-    for name in $missing; do
-      "$vpy" -m pip install -q --no-deps --disable-pip-version-check "$name" >> "$venv/pip.log" 2>&1 ||
-        { echo "NOT INSTALLABLE: pip install --no-deps $name (a dependency) failed"; return 1; }
-    done
+  split_requirements "$venv" "$package" || { echo "NOT INSTALLABLE: could not read $package's requirements"; return 1; }
+  # torchvision / torchaudio: resolved with the rest where a release built for this torch exists; else, like
+  # NEVER, skipped (skipped.txt: "name: requirement (why)")
+  : > "$res/skipped.txt"
+  while IFS= read -r req; do
+    name=$(sed 's/[<>=!~; ].*//' <<< "$req")
+    if [[ ${name,,} =~ $TORCH_BUILT ]]; then
+      if pip_in "$venv" install -q --dry-run "$req" -c "$res/constraints.txt"; then
+        echo "$req" >> "$res/requirements.txt"
+      else
+        echo "$name: $req (no release for $(head -n1 "$res/constraints.txt"))" >> "$res/skipped.txt"
+      fi
+    else
+      echo "$name: $req (never installed here)" >> "$res/skipped.txt"
+    fi
+  done < "$res/never.txt"
+  # the tool's pins resolved against this torch and zerotune's bounds; what this environment meets is kept
+  if ! pip_in "$venv" install -q --dry-run --report "$res/report.json" -r "$res/requirements.txt" \
+       -c "$res/constraints.txt"; then
+    why=$(conflict "$package" "$venv/pip.log")
+    echo "NOT INSTALLABLE: ${why:-pip could not resolve its requirements: $(grep -m1 ERROR "$venv/pip.log")}"; return 1
+  fi
+  # what the resolver picked, less what is never installed (a dependency's dependency: into skipped.txt too)
+  "$venv/bin/python" - "$res" "$NEVER" <<'EOF' || return 1
+import json, re, sys
+from pathlib import Path
+res, never = Path(sys.argv[1]), sys.argv[2]
+picked = [(item["metadata"]["name"], item["metadata"]["version"])
+          for item in json.loads((res / "report.json").read_text())["install"]]
+is_never = lambda name: re.match(never, re.sub(r"[-_.]+", "-", name).lower())
+with open(res / "skipped.txt", "a") as handle:
+    handle.writelines(f"{n}: {n}=={v} (a dependency's; never installed here)\n" for n, v in picked if is_never(n))
+(res / "install.txt").write_text("".join(f"{n}=={v}\n" for n, v in picked if not is_never(n)))
+EOF
+  if [ -s "$res/install.txt" ] && ! pip_in "$venv" install -q --no-deps -r "$res/install.txt"; then
+    echo "NOT INSTALLABLE: pip install --no-deps of the resolved set failed: $(grep -m1 ERROR "$venv/pip.log")"
+    return 1
+  fi
+  # a torchvision / torchaudio release that requires this torch's version may still be built for another variant
+  # of it (CUDA wheels against a CPU torch): one that does not import here is removed again and skipped
+  for name in $(grep -ioE "^(${TORCH_BUILT:2:-2})" "$res/requirements.txt"); do
+    if ! why=$("$venv/bin/python" -c "import $name" 2>&1); then
+      req="$name==$("$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$name'))")"
+      pip_in "$venv" uninstall -y "$name"
+      echo "$name: $req (does not load against torch $(sed -n 's/^torch==//p' "$res/constraints.txt"): $(tail -n1 <<< "$why" | sed 's#/[^ ]*/##g'))" >> "$res/skipped.txt"
+    fi
   done
-  "$vpy" -c "import importlib.metadata as m; print(m.version('$package'))"
+  "$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$package'))"
+}
+
+never_imported() {  # never_imported VENV LINE: "NOT INSTALLABLE: ..." where the case stopped importing a package
+  # that is never installed here (skipped.txt says why), else nothing
+  local module name why where while
+  module=$(sed -n "s/.*No module named '\([A-Za-z0-9_]*\).*/\1/p" <<< "$2" | head -n1)
+  [ -n "$module" ] || return 0
+  name=${module//_/-}
+  why=$(grep -i -m1 "^$name:" "$1/resolve/skipped.txt" 2>/dev/null | sed 's/^[^:]*: //')
+  [ -n "$why" ] || [[ ! ${name,,} =~ $NEVER ]] || why="never installed here"
+  [ -n "$why" ] || return 0
+  where=$(sed -n 's/.*\[File "\([^"]*\)", line \([0-9]*\).*/\1:\2/p' <<< "$2" | head -n1 | sed 's#.*/site-packages/##')
+  while=$(sed -n 's/.*(while: \([^)]*\)).*/\1/p' <<< "$2" | head -n1)
+  echo "NOT INSTALLABLE: its case imports $module${where:+ (at $where${while:+; while: $while})}: $why"
 }
 
 status=0
@@ -136,13 +205,14 @@ for tool in "${tools[@]}"; do
     echo "$tool $version: deepspeed-alias install failed: $(tail -n1 <<< "$alias_out")"; status=1; continue
   fi
   rm -rf "$venv/run" "$venv/failures.log"
-  line=$(cd "$venv" && ECOSYSTEM_LOG="$venv/failures.log" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \
+  line=$(cd "$venv" && PATH="$venv/bin:$PATH" VIRTUAL_ENV="$venv" ECOSYSTEM_LOG="$venv/failures.log" OMP_NUM_THREADS=1 HF_HUB_OFFLINE=1 \
          "$venv/bin/python" "$here/scripts/ecosystem/${tool}_case.py" --line --workdir "$venv/run" 2> "$venv/driver.log")
   rc=$?
   if [ $rc -ne 0 ] || [ -z "$line" ]; then
     echo "$tool $version: case script failed (exit $rc): $(grep -v '^\s*$' "$venv/driver.log" | tail -n1)"; status=1
     continue
   fi
+  if never=$(never_imported "$venv" "$line") && [ -n "$never" ]; then line="$tool $version: $never"; fi
   echo "$line"
   [[ $line == *"ZeRO 2 ok | ZeRO 3 ok"* ]] || status=1
 done

@@ -1,7 +1,8 @@
 """LLaMA-Factory's DeepSpeed path on zerotune (issue 28): ``llamafactory-cli train`` LoRA SFT and DPO with its
 shipped ds_z2 / ds_z3 configs on 2 CPU ranks log the same losses as its non-DeepSpeed run (1e-5 relative).
-Runs scripts/ecosystem/llamafactory_case.py where LLaMA-Factory is installed; skipped elsewhere (and in this
-project's environment, whose transformers / accelerate / peft / datasets are newer than its pins)."""
+Runs scripts/ecosystem/llamafactory_case.py where LLaMA-Factory is installed; skipped elsewhere. With CPU torch
+2.13 it stops at llamafactory/data/mm_plugin.py:30's torchaudio import (no torchaudio for torch 2.13; see
+scripts/ecosystem_check.sh llamafactory)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 from tests.ecosystem import run_case
 
 pytest.importorskip("llamafactory")
+pytest.importorskip("torchaudio")  # llamafactory/data/mm_plugin.py imports it on every stage's path
 pytestmark = pytest.mark.slow
 
 

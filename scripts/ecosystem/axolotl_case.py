@@ -1,33 +1,47 @@
 """axolotl on zerotune: ``axolotl train`` (LoRA SFT on the tiny Llama, a tiny local alpaca-format dataset) on 2
-CPU ranks with ``deepspeed:`` ZeRO 2 and ZeRO 3 configs against axolotl's own non-DeepSpeed run, logged losses
-compared to 1e-5.
+CPU ranks with axolotl's shipped DeepSpeed configs (deepspeed_configs/zero2.json / zero3.json, written out below
+as shipped) against axolotl's own non-DeepSpeed run, logged losses compared to 1e-5.
 
     python scripts/ecosystem/axolotl_case.py [--workdir DIR] [--steps N]
 
 prints one JSON summary line (scripts/ecosystem/common.py ``drive``); ``--line`` the one-line form.
 axolotl launches its own torchrun (``--launcher torchrun -- --nproc_per_node 2``): the worker here is one
 process per mode that runs the CLI and reads the losses from the last checkpoint's trainer_state.json; a
-zerotune engine is recognised by the banner zerotune logs at ``initialize``.
-
-Not run in this environment: axolotl 0.19.0 pins transformers==5.16.1, accelerate==1.13.0, peft==0.20.0,
-datasets==4.8.4, trl==1.9.0 (and more; scripts/ecosystem_check.sh prints every pin this environment does
-not meet) and requires triton, xformers, bitsandbytes and liger-kernel on Linux, none of which is installed
-here.
+zerotune engine is recognised by the banner zerotune logs at ``initialize``. axolotl's LoRA kernels (Triton,
+switched on by default) are switched off, as its own warning says to where Triton is missing (a CPU machine).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    ENGINE_BANNER, NPROC, _free_port, case_parser, deepspeed_config, drive_and_print, make_tiny_llama,
-    one_process, print_mean_rows, run_cli)
+    ENGINE_BANNER, MODES, NPROC, _free_port, case_parser, drive, failure_line, make_tiny_llama, one_process,
+    print_row, progress, run_cli, summarize)
 
 METHODS = ("sft",)
+
+
+def shipped_config(stage: int) -> dict:
+    """deepspeed_configs/zero2.json / zero3.json of axolotl (not in its wheel: `axolotl fetch deepspeed_configs`
+    downloads them); "auto"s filled in by the HF Trainer, fp16 / bf16 "auto" off in this fp32 run."""
+    zero = ({"stage": 2, "offload_optimizer": {"device": "cpu"}, "contiguous_gradients": True, "overlap_comm": True}
+            if stage == 2 else
+            {"stage": 3, "overlap_comm": True, "contiguous_gradients": True, "sub_group_size": 0,
+             "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+             "stage3_param_persistence_threshold": "auto", "stage3_max_live_parameters": 0,
+             "stage3_max_reuse_distance": 0, "stage3_gather_16bit_weights_on_model_save": True})
+    return {"zero_optimization": zero, "bf16": {"enabled": "auto"},
+            "fp16": {"enabled": "auto", "auto_cast": False, "loss_scale": 0, "initial_scale_power": 32,
+                     "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False}
 
 
 def write_data(directory: Path) -> Path:
@@ -36,8 +50,8 @@ def write_data(directory: Path) -> Path:
             for thing, color in [("sky", "blue"), ("grass", "green"), ("snow", "white"), ("coal", "black"),
                                  ("sun", "yellow")] * 4]
     (directory / "tiny_sft.json").write_text(json.dumps(rows))
-    for mode in ("zero2", "zero3"):
-        (directory / f"{mode}.json").write_text(json.dumps(deepspeed_config(mode), indent=2))
+    for stage in (2, 3):
+        (directory / f"zero{stage}.json").write_text(json.dumps(shipped_config(stage), indent=2))
     return directory
 
 
@@ -52,10 +66,37 @@ def train_config(mode: str, model: str, data: Path, out: Path, steps: int) -> di
               "optimizer": "adamw_torch", "lr_scheduler": "constant", "learning_rate": 1e-3, "warmup_steps": 0,
               "weight_decay": 0.0, "bf16": False, "fp16": False, "tf32": False, "seed": 0, "logging_steps": 1,
               "save_strategy": "steps", "save_steps": steps, "save_only_model": True, "flash_attention": False,
-              "use_cpu": True, "special_tokens": {}}
+              "lora_mlp_kernel": False, "lora_qkv_kernel": False, "lora_o_kernel": False,
+              "lora_embedding_kernel": False, "dataloader_num_workers": 0, "special_tokens": {}}
     if mode != "ddp":
         config["deepspeed"] = str(data / f"{mode}.json")
     return config
+
+
+CPU_STOP = "Cannot access accelerator device when none is available"
+"""What transformers raises when axolotl loads the model of a multi-rank CPU run: axolotl's normalize_config sets
+``device_map = {"": LOCAL_RANK}`` (a CUDA index) for every world size above 1, over the ``{"": "cpu"}`` its own
+choose_device picked (axolotl/utils/config/__init__.py:230 in 0.19.0, ``if cfg.world_size != 1``), and
+``from_pretrained(device_map={"": 0})`` then asks for CUDA device 0."""
+
+
+def past_cpu_stop(config: str) -> None:
+    """A rank of ``axolotl train`` (what its torchrun launcher runs: ``-m axolotl.cli.train CONFIG``) with the one
+    step axolotl does not take on CPU: normalize_config's device map put back to the device it chose."""
+    import fire
+    from axolotl.cli import config as cli_config
+    from axolotl.cli.train import do_cli
+
+    normalize = cli_config.normalize_config
+
+    def normalize_on_cpu(cfg) -> None:
+        normalize(cfg)
+        if str(cfg.device) == "cpu":
+            cfg.device_map = {"": "cpu"}
+
+    cli_config.normalize_config = normalize_on_cpu
+    sys.argv = ["axolotl.cli.train", config]
+    fire.Fire(do_cli)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -63,31 +104,63 @@ def worker(args: argparse.Namespace) -> None:
     out.mkdir(parents=True, exist_ok=True)
     config = out / "train.yml"  # JSON is YAML
     config.write_text(json.dumps(train_config(args.mode, args.model, Path(args.data), out, args.steps)))
-    output = run_cli(["axolotl", "train", str(config), "--launcher", "torchrun", "--",
-                      "--nproc_per_node", str(NPROC), "--master_port", str(_free_port())],
-                     {"CUDA_VISIBLE_DEVICES": "", "AXOLOTL_DO_NOT_TRACK": "1"}, f"{args.mode} sft: axolotl train")
+    env = {"CUDA_VISIBLE_DEVICES": "", "AXOLOTL_DO_NOT_TRACK": "1"}
+    port = ["--nproc_per_node", str(NPROC), "--master_port", str(_free_port())]
+    stopped = ""
+    progress(f"{args.mode} sft: axolotl train")  # unchanged first
+    done = subprocess.run(["axolotl", "train", str(config), "--launcher", "torchrun", "--", *port],
+                          capture_output=True, text=True, env={**os.environ, **env, "PATH": os.pathsep.join(
+                              [str(Path(sys.executable).parent), os.environ.get("PATH", "")])})
+    output = done.stdout + done.stderr
+    if done.returncode != 0 and CPU_STOP in output:  # axolotl's own CPU stop: where, then past it
+        stopped = failure_line(output, done.returncode)
+        output = run_cli(["torchrun", *port, str(Path(__file__).resolve()), "--past-cpu-stop", str(config)], env,
+                         f"{args.mode} sft: axolotl.cli.train past axolotl/utils/config/__init__.py:230's CUDA device map")
+    elif done.returncode != 0:
+        sys.stderr.write(output[-20000:])
+        raise SystemExit(f"{args.mode} sft: axolotl train: exited {done.returncode}")
     state = json.loads((out / f"checkpoint-{args.steps}" / "trainer_state.json").read_text())
     losses = {"sft": [entry["loss"] for entry in state["log_history"] if "loss" in entry]}
     engines = {"sft": "zerotune.engine.Engine (its initialize banner)"} if ENGINE_BANNER in output else {}
-    print_mean_rows(args.mode, losses, engines)  # the HF Trainer logs the ranks' mean loss
+    for rank in range(NPROC):  # the HF Trainer logs the ranks' mean loss
+        print_row({"rank": rank, "mode": args.mode, "losses": losses, "engines": engines, "stopped": stopped})
 
 
 def main() -> None:
     parser = case_parser(__doc__, METHODS)
     parser.add_argument("--data", default=None)
+    parser.add_argument("--past-cpu-stop", default=None, metavar="CONFIG", help="(internal) one rank, past it")
     args = parser.parse_args()
+    if args.past_cpu_stop:
+        past_cpu_stop(args.past_cpu_stop)
+        return
     if args.worker:
         worker(args)
         return
 
     import importlib.metadata
+    import tempfile
 
     def prepare(directory: Path) -> list[str]:
         model = make_tiny_llama(directory / "tiny-llama")
         return ["--model", str(model), "--data", str(write_data(directory / "data")), "--steps", str(args.steps)]
 
-    drive_and_print("axolotl", importlib.metadata.version("axolotl"), args, Path(__file__).resolve(), METHODS, prepare,
-                    launch=one_process)  # axolotl starts its own torchrun
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="zerotune-axolotl-"))
+    summary = drive("axolotl", importlib.metadata.version("axolotl"), Path(__file__).resolve(), METHODS, prepare,
+                    workdir, args.timeout, launch=one_process)  # axolotl starts its own torchrun
+    stops = sorted({stop for mode in MODES for stop in [summary.get(f"{mode}_stopped")] if stop})
+    print(line(summary, stops) if args.line else json.dumps({**summary, "stopped": stops}))
+
+
+def line(summary: dict, stops: list[str]) -> str:
+    """scripts/ecosystem_check.sh's line: where axolotl stops on CPU, then its runs past that point."""
+    text = summarize(summary)
+    if not stops:
+        return text
+    head, _, rest = text.partition(": ")
+    return (f"{head}: `axolotl train` on 2 CPU ranks stops in axolotl's own device map (device_map {{\"\": LOCAL_RANK}}"
+            f" over the \"cpu\" it chose, axolotl/utils/config/__init__.py normalize_config), its non-DeepSpeed run"
+            f" alike: {' / '.join(stops)}; past it (device_map {{\"\": \"cpu\"}}): {rest}")
 
 
 if __name__ == "__main__":

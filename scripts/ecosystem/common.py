@@ -98,7 +98,9 @@ def run_cli(command: list[str], env: dict[str, str], what: str) -> str:
     """A tool's own command line (its ranks started by it); its output goes to stderr (the driver's failure
     log) and is returned; a failure ends the worker naming WHAT."""
     progress(what)
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **env})
+    # the tool's CLI (and the torchrun it starts) from this interpreter's environment, as in an activated venv
+    path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PATH": path, **env})
     sys.stderr.write(done.stdout[-20000:] + done.stderr[-20000:])
     if done.returncode != 0:
         raise SystemExit(f"{what}: exited {done.returncode}")
@@ -172,7 +174,8 @@ def failure_line(text: str, returncode: int) -> str:
             continue
         frames = []
         for follow in lines[i + 1:]:
-            if follow.startswith((" ", "\t")) or not follow.strip():
+            # a frame, its ^^^^ marker line, or another rank's traceback interleaved with this one
+            if follow.startswith((" ", "\t", "Traceback (most recent")) or not follow.strip("^~ \t"):
                 if follow.strip().startswith("File "):
                     frames.append(follow.strip())
                 continue
@@ -224,6 +227,8 @@ def drive(tool: str, version: str, script: Path, methods: tuple[str, ...], prepa
         summary.update({mode: "not run (the reference run failed)" for mode in MODES[1:]})
     else:
         want = reference[0]["losses"]
+        if reference[0].get("stopped"):  # a case that went past the tool's own stop: where that was
+            summary["ddp_stopped"] = reference[0]["stopped"]
         summary["reference"] = {method: len(losses) for method, losses in want.items()}
         for mode in MODES[1:]:
             rows, why = run_mode(script, mode, args + ["--out", str(workdir / mode)], timeout, launch)
@@ -241,6 +246,8 @@ def drive(tool: str, version: str, script: Path, methods: tuple[str, ...], prepa
             summary["max_rel"] = max(summary["max_rel"] or 0.0, worst)
             summary[f"{mode}_max_rel"] = worst
             summary[f"{mode}_engines"] = rows[0]["engines"]
+            if rows[0].get("stopped"):
+                summary[f"{mode}_stopped"] = rows[0]["stopped"]
             summary[mode] = "ok" if not problems else "MISMATCH: " + "; ".join(problems[:3])
     summary["seconds"] = round(time.time() - started)
     (workdir / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -10,9 +10,10 @@ LLaMA-Factory launches its own torchrun (FORCE_TORCHRUN=1, NPROC_PER_NODE=2): th
 process per mode that runs the CLI once per method and reads the losses from LLaMA-Factory's
 trainer_log.jsonl; a zerotune engine is recognised by the banner zerotune logs at ``initialize``.
 
-Not run in this environment: llamafactory 0.9.5 pins accelerate<=1.11.0, datasets<=4.0.0, peft<=0.18.1,
-transformers<=5.6.0 and trl<=0.24.0 (scripts/ecosystem_check.sh prints them), and its data module
-imports torchaudio, which is never installed here.
+Stops on CPU torch 2.13 before training: llamafactory/data/mm_plugin.py:30 imports torchaudio unconditionally
+(every stage's template imports mm_plugin), and torchaudio has no release for torch 2.13 (its newest, 2.11.1,
+installs but its _torchaudio.so does not load); scripts/ecosystem_check.sh prints it as NOT INSTALLABLE.
+LLaMA-Factory launches `torchrun` from PATH: the venv that scripts/ecosystem_check.sh builds has one.
 """
 
 from __future__ import annotations
