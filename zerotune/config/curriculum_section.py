@@ -24,6 +24,7 @@ from typing import Any, ClassVar, Literal, Optional
 from pydantic import Field, StrictBool, ValidationInfo, field_validator
 
 from .errors import ConfigError, NotSupportedError
+from .normalize import normalize_keys
 from .section import NoEffect, Section
 from .types import Int, PosFloat, PosInt, Str
 
@@ -300,7 +301,6 @@ def validated_schedule(raw: Mapping[str, Any], prefix: str) -> CurriculumSchedul
     block, such as ``enabled``, are not its business), checked like the config file's, errors naming ``prefix``."""
     from pydantic import ValidationError
 
-    from .loading import normalize_keys  # (loading imports the schema, which imports this module)
     from .pydantic_errors import translate
 
     if not isinstance(raw, Mapping):

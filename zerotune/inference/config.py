@@ -21,7 +21,7 @@ import torch.distributed as dist
 from pydantic import Field, PrivateAttr, StrictBool, ValidationError, field_validator
 
 from zerotune.config.errors import ConfigError, NotSupportedError
-from zerotune.config.loading import normalize_keys
+from zerotune.config.normalize import normalize_keys
 from zerotune.config.pydantic_errors import show_value, translate
 from zerotune.config.section import NoEffect, Section
 from zerotune.config.types import PosInt
