@@ -19,7 +19,7 @@ from tests.models import (assert_close_traces, engine_run, loss_of, make_mlp, ml
 from zerotune.offload.master_placement import MasterPlacement as HostPlacement
 from zerotune.offload.nvme_optimizer import NvmePlacement
 from zerotune.zero.contracts import GradSync, MasterPlacement, TiedWeight, ZeroStage
-from zerotune.zero.held import HeldPiece
+from zerotune.zero.pieces import HeldPiece
 
 
 def test_placements_provide_the_placement_contract() -> None:

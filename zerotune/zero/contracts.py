@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Set as AbstractSet
-from typing import TYPE_CHECKING, Any, Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:  # (held.py's HeldStateDict is a part of a ZeroStage: it imports this module)
-    from zerotune.zero.held import HeldPiece
+from zerotune.zero.pieces import HeldPiece
 
 TiedWeight = tuple[torch.nn.Parameter, dist.ProcessGroup | None]
 """A weight tied across pipeline stages and the group of the stages holding it: its gradient is summed there."""

@@ -32,7 +32,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from zerotune.distributed import comm
 from zerotune.zero.contracts import ZeroStage
-from zerotune.zero.held import HeldPiece
+from zerotune.zero.pieces import HeldPiece
 
 # a stand-in with no state (the placements read only ``state`` / ``param_groups``), typed as what they take
 _NO_OPTIMIZER = cast(torch.optim.Optimizer, SimpleNamespace(state={}, param_groups=[]))

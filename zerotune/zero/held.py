@@ -14,32 +14,14 @@ other (dp, tp, pp, ZeRO stage, offload): ``HeldStateDict`` gives every state its
 from __future__ import annotations
 
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import torch
 
 from zerotune.parallel.tensor.layout import tp_layout_of
 from zerotune.parallel.tensor.state_dict import full_shape
 from zerotune.zero.contracts import ZeroStage
-from zerotune.zero.partition import FlatLayout
-
-
-@dataclass(frozen=True)
-class HeldPiece:
-    """``length`` elements of ``param`` (flattened) from ``param_offset``, at ``offset`` of their holder."""
-
-    param: torch.nn.Parameter
-    param_offset: int
-    offset: int
-    length: int
-
-
-def layout_pieces(params: Sequence[torch.nn.Parameter], layout: FlatLayout, start: int, end: int) -> list[HeldPiece]:
-    """The parameters' parts in the flat range ``[start, end)``, with offsets relative to ``start``."""
-    return [HeldPiece(params[p.param], p.param_offset, p.flat_offset - start, p.length)
-            for p in layout.pieces_in(start, end)]
-
+from zerotune.zero.pieces import HeldPiece
 
 WEIGHT, MASTER, OPTIM = "weight", "master", "optim."
 """Kinds of held values: the weights (model dtype), the fp32 masters, one optimizer state tensor (``optim.<key>``)."""

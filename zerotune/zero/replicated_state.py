@@ -19,7 +19,8 @@ from zerotune.zero.allreduce_sync import AllReduceGradSync
 from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
-from zerotune.zero.held import HeldPiece, HeldStateDict
+from zerotune.zero.held import HeldStateDict
+from zerotune.zero.pieces import HeldPiece
 
 
 class ReplicatedState(HeldStateDict, ParamFragments, ZeroStage):

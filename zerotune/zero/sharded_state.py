@@ -28,8 +28,9 @@ from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.flat_params import FlatParamGroup
 from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
-from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
+from zerotune.zero.held import HeldStateDict
 from zerotune.zero.partition import FlatLayout, flat_layout
+from zerotune.zero.pieces import HeldPiece, layout_pieces
 
 if TYPE_CHECKING:
     from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync

@@ -9,7 +9,7 @@ the block is read-only: changes are discarded. Units gathered before the block s
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, cast
 
 import torch
 import torch.distributed as dist
@@ -25,8 +25,8 @@ def _segments_of(params: torch.Tensor | Iterable[torch.Tensor]) -> list[FlatSegm
     segments: dict[int, FlatSegment] = {}
     for param in params:
         sharded = sharded_param_of(param)
-        if sharded is not None:
-            segments.setdefault(id(sharded.segment), sharded.segment)
+        if sharded is not None:  # (a sharded parameter's segment is the FlatSegment that made it)
+            segments.setdefault(id(sharded.segment), cast(FlatSegment, sharded.segment))
     return list(segments.values())
 
 

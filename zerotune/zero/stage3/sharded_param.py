@@ -19,14 +19,29 @@ every state change updates them.
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from zerotune.zero.partition import FlatLayout
 from zerotune.zero.stage3.ds_markers import ZeroParamStatus, mark_partitioned, show_status
 
-if TYPE_CHECKING:
-    from zerotune.zero.stage3.segment import FlatSegment
+
+class SegmentShard(Protocol):
+    """What a sharded parameter reads of its segment (``segment.FlatSegment``, which holds the parameters: the
+    segment imports this module, so the parameter knows it only by this shape)."""
+
+    @property
+    def layout(self) -> FlatLayout: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def persistent(self) -> bool: ...
+    @property
+    def local(self) -> torch.Tensor: ...
+    @property
+    def resident(self) -> bool: ...
+    def make_resident(self) -> torch.Tensor: ...
 
 _ATTRIBUTE = "_zerotune_sharded"
 
@@ -52,7 +67,7 @@ def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> 
 class ShardedParam:
     """The partitioned state of one parameter: where its slice lives, and which ``.data`` it shows."""
 
-    def __init__(self, param: torch.nn.Parameter, segment: FlatSegment, index: int, full_view: torch.Tensor) -> None:
+    def __init__(self, param: torch.nn.Parameter, segment: SegmentShard, index: int, full_view: torch.Tensor) -> None:
         self.param = param
         self.segment = segment
         self.index = index

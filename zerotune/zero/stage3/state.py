@@ -22,7 +22,8 @@ from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.fragments import ParamFragments
 from zerotune.zero.grad_norm import global_grad_norm
-from zerotune.zero.held import HeldPiece, HeldStateDict, layout_pieces
+from zerotune.zero.held import HeldStateDict
+from zerotune.zero.pieces import HeldPiece, layout_pieces
 from zerotune.zero.stage3.schedule import UnitScheduler
 from zerotune.zero.stage3.segment import FlatSegment
 from zerotune.zero.stage3.sharded_param import sharded_param_of
