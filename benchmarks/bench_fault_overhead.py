@@ -38,20 +38,19 @@ SETTINGS = ("off", "watchdog", "guard")
 BLOCK = 5  # steps per block of one setting; the first is not timed
 
 
-def _use(setting: str) -> None:
-    """Switch the guards between steps of one run (both ranks alike): the watchdog by its timeout, the guard by
-    pausing it (while paused it records and exchanges nothing, on every rank, so its records stay in step, and
-    its cost share -- which sets its interval -- counts only the guarded steps)."""
+def _use(engine, setting: str) -> None:
+    """Switch the engine's guards between steps of one run (both ranks alike): the watchdog by its timeout, the
+    guard by pausing it (while paused it records and exchanges nothing, on every rank, so its records stay in
+    step, and its cost share -- which sets its interval -- counts only the guarded steps)."""
     from zerotune.distributed import comm
-    from zerotune.distributed.guard import GUARD
-    from zerotune.distributed.watchdog import WATCHDOG
 
-    WATCHDOG.timeout_s = 600.0 if setting == "watchdog" else None
+    engine.guards.timeout_s = 600.0 if setting == "watchdog" else None
     if setting == "guard":
-        GUARD.resume()
+        engine.guards.guard.resume()
     else:
-        comm.settle_guard()  # (an exchange still in flight belongs to the guarded steps)
-        GUARD.pause()
+        with engine.guards.entered():
+            comm.settle_guard()  # (an exchange still in flight belongs to the guarded steps)
+        engine.guards.guard.pause()
 
 
 def _step_times(args: argparse.Namespace, stage: int) -> dict:
@@ -60,7 +59,6 @@ def _step_times(args: argparse.Namespace, stage: int) -> dict:
     nothing in between."""
     import zerotune
     from transformers import GPT2Config, GPT2LMHeadModel
-    from zerotune.distributed.guard import GUARD
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64),
@@ -69,34 +67,35 @@ def _step_times(args: argparse.Namespace, stage: int) -> dict:
               "collective_guard": True, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
     engine, *_ = zerotune.initialize(model=model, config=config)
+    guard = engine.guards.guard
     ids = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(dist.get_rank()))
     result: dict = {name: [] for name in SETTINGS}
     timed_per_block = BLOCK - 1
     blocks = [name for name in SETTINGS for _ in range(-(-args.steps // timed_per_block))]
     random.Random(stage).shuffle(blocks)  # the same on both ranks
     for warm_up in SETTINGS:  # one untimed block of each first
-        _use(warm_up)
+        _use(engine, warm_up)
         for _ in range(BLOCK):
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
     zerotune.comm.reset_comm_stats()
     points, timed_steps, guard_timings = 0, 0, []
     for setting in blocks:
-        _use(setting)
+        _use(engine, setting)
         dist.barrier()
         for index in range(BLOCK):
             timed = index > 0
-            GUARD.timings = guard_timings if timed and setting == "guard" else None
-            points_before = GUARD.points
+            guard.timings = guard_timings if timed and setting == "guard" else None
+            points_before = guard.points
             started = time.perf_counter()
             engine.backward(engine(input_ids=ids, labels=ids).loss)
             engine.step()
             if timed:
                 result[setting].append(time.perf_counter() - started)
-                points += GUARD.points - points_before
+                points += guard.points - points_before
                 timed_steps += 1
-        GUARD.timings = None
-    _use("guard")
+        guard.timings = None
+    _use(engine, "guard")
     stats = zerotune.comm.comm_stats()
     result["calls"] = sum(s.calls for s in stats.values()) / (timed_steps + len(blocks))
     result["points"] = points / len(result["guard"])
@@ -104,7 +103,7 @@ def _step_times(args: argparse.Namespace, stage: int) -> dict:
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, timings)  # (every rank recorded the same points)
     result["guard_net"] = _net_guard_seconds(everyone, dist.get_rank())
-    result["interval"] = GUARD.interval
+    result["interval"] = guard.interval
     result["guard_wait"] = sum(launch + end - start for _, launch, start, end in timings) / len(result["guard"])
     engine.destroy()
     return result
@@ -168,7 +167,7 @@ def per_collective_costs() -> tuple[float, float]:
     watchdog.start(600.0, 0)
     started = time.perf_counter()
     for _ in range(count):
-        token = watchdog.begin("all_gather", 2, 1024, call_site())
+        token = watchdog.begin("all_gather", 2, 1024, call_site(), timeout_s=600.0)
         watchdog.issued(token, handle)
         watchdog.end(token)
     watchdog_cost = (time.perf_counter() - started) / count

@@ -14,7 +14,7 @@ import zerotune
 from tests.harness import run_distributed
 from tests.models import make_mlp, mlp_batch
 from zerotune.distributed.comm import CommError
-from zerotune.distributed.guard import GUARD, CollectiveGuard, CollectiveMismatch, setup_differences
+from zerotune.distributed.guard import CollectiveGuard, CollectiveMismatch, setup_differences
 
 
 def _engine(stage: int, gas: int = 1, **extra: object):
@@ -69,7 +69,7 @@ def _save_on_one_rank(tmp: str, interval: int = 1) -> dict:
     """`if rank == 0: engine.save_checkpoint(...)` -- DeepSpeed hangs; every rank must call it. ``interval``:
     micro-steps per guard exchange (more than one where exchanges cost over 1% of the time)."""
     engine = _engine(stage=0)
-    GUARD.interval = interval
+    engine.guards.guard.interval = interval
 
     def run() -> None:
         for index in range(4):
@@ -173,7 +173,7 @@ def test_ranks_with_different_models_stop_at_initialize_naming_the_parameter() -
 
 def _guard_off() -> dict:
     engine = _engine(stage=3, collective_guard=False)
-    active = GUARD.active
+    active = engine.guards.guard.active
     for index in range(2):
         _micro_step(engine, index)
     return {"active": active}

@@ -11,7 +11,6 @@ from tests.harness import run_distributed
 from tests.models import mlp_batch
 from tests.test_collective_guard import _engine, _micro_step, _outcome
 from zerotune.distributed.comm import comm_stats, reset_comm_stats
-from zerotune.distributed.guard import GUARD
 from zerotune.distributed.guard_torch import guard_torch_distributed
 
 
@@ -48,7 +47,7 @@ def _raw_collectives_recorded() -> dict:
         dist.all_gather_object(names, f"rank {engine.global_rank}")
         dist.barrier(async_op=True).wait()
     stats = comm_stats()
-    recent = [entry[2] for _, _, entries, _ in GUARD.snapshot().values() for entry in entries]
+    recent = [entry[2] for _, _, entries, _ in engine.guards.guard.snapshot().values() for entry in entries]
     return {"wrapped": wrapped, "restored": (dist.all_reduce, dist.all_gather_object, dist.barrier) == originals,
             "raw": {op: (s.calls, s.bytes) for op, s in stats.items() if op.startswith("torch.distributed.")},
             "own": _own(stats), "own_unguarded": unguarded, "names": names, "losses": losses, "recent": recent}

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import torch
 
 from zerotune.distributed import comm
-from zerotune.distributed.guard import GUARD
+from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.engine_compile import EngineCompile
 from zerotune.engine_core import EngineCore, check_batch_not_empty, loss_from_output, map_tensors
 from zerotune.engine_offload_states import BACKWARD_NEEDS, FORWARD_NEEDS
@@ -50,6 +50,7 @@ class Engine(EngineCompile, EngineCore):
         return initialize(*args, **kwargs)
 
     # ---- one micro-step ------------------------------------------------------------------
+    @EngineGuards.method
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_on_device("forward()", FORWARD_NEEDS)
         check_batch_not_empty((args, kwargs), self.global_steps + 1, self.micro_steps, self.global_rank)
@@ -73,6 +74,7 @@ class Engine(EngineCompile, EngineCore):
                 return sequence_parallel_forward(self.module, self.mesh.group("sp"), args, kwargs)
             return self.module(*args, **kwargs)
 
+    @EngineGuards.method
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss / GAS * loss_scale``; gradients accumulate in fp32 buckets.
 
@@ -94,6 +96,7 @@ class Engine(EngineCompile, EngineCore):
             (loss.float() * (self.loss_scaler.loss_scale / gas_divisor)).backward(retain_graph=retain_graph)
         return loss / gas_divisor
 
+    @EngineGuards.method
     def step(self, lr_kwargs: dict | None = None) -> None:
         """Act at the accumulation boundary; a no-op (besides counting) on other micro-steps."""
         if self._inside_no_sync:
@@ -123,7 +126,8 @@ class Engine(EngineCompile, EngineCore):
         than 1% of the time (``CollectiveGuard.adapt``)."""
         if self._guarded_at != self._step_calls:
             self._guarded_at = self._step_calls
-            if self._step_calls % GUARD.interval == 0:  # (the same on every rank: ``CollectiveGuard.adapt``)
+            # (the interval is the same on every rank: ``CollectiveGuard.adapt``)
+            if self._step_calls % self.guards.guard.interval == 0:
                 comm.guard_point(phase, self.global_steps, self.micro_steps)
 
     def is_gradient_accumulation_boundary(self) -> bool:

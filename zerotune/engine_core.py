@@ -26,11 +26,12 @@ from zerotune.checkpoint.engine_state import load_engine_checkpoint, load_newest
 from zerotune.checkpoint.train_state import CheckpointSettings, Counters, TrainState
 from zerotune.distributed import comm
 from zerotune.distributed.compression import CompressionStats, TopKCompressor
-from zerotune.distributed.streams import phase
+from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
-from zerotune.engine_offload_states import FORWARD_NEEDS, StateOffloading
+from zerotune.distributed.streams import phase
 from zerotune.engine_curriculum import EngineCurriculum
+from zerotune.engine_offload_states import FORWARD_NEEDS, StateOffloading
 from zerotune.engine_queries import EngineQueries
 from zerotune.monitor.logging import log_rank0
 from zerotune.monitor.step_report import StepReporter
@@ -74,8 +75,8 @@ def check_batch_not_empty(inputs: Any, step: int, micro_step: int, rank: int) ->
     map_tensors(inputs, lambda t: found.append(t) or t)
     first = next((t for t in found if t.dim() > 0), None)
     if first is not None and first.shape[0] == 0:
-        raise ValueError(f"empty batch: the micro-batch of optimizer step {step}, micro-step {micro_step}, on rank {rank} "
-                         f"has 0 rows (its first input has shape {tuple(first.shape)}); check the data loader "
+        raise ValueError(f"empty batch: the micro-batch of optimizer step {step}, micro-step {micro_step}, on rank "
+                         f"{rank} has 0 rows (its first input has shape {tuple(first.shape)}); check the data loader "
                          "(a shard with fewer samples than ranks, or a filter that dropped every row)")
 
 
@@ -87,8 +88,11 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
                  training_dataloader: Any = None, compressor: TopKCompressor | None = None,
-                 client_optimizer: Any = None) -> None:
+                 client_optimizer: Any = None, guards: EngineGuards | None = None) -> None:
         super().__init__()
+        self.guards = guards if guards is not None else EngineGuards.off()
+        """This engine's collective guard, watchdog timeout and checkpointing policy; its methods that communicate
+        run inside them (``EngineGuards.method``), ``destroy()`` closes them."""
         self.module = module
         self._config = config
         self.env = env
@@ -300,6 +304,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
             return self._config.checkpoint.save_dir
         raise ValueError(f"engine.{method}() needs a directory: pass one, or set checkpoint.save_dir in the config")
 
+    @EngineGuards.method
     def save_checkpoint(self, save_dir: str | None = None, tag: str | None = None, client_state: dict | None = None,
                         save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """``save_dir`` defaults to ``checkpoint.save_dir``. ``exclude_frozen_parameters`` (LoRA / prefix tuning):
@@ -310,6 +315,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
                                client_state or {}, save_latest, exclude_frozen_parameters)
         return True
 
+    @EngineGuards.method
     def load_checkpoint(self, load_dir: str | None = None, tag: str | None = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False) -> tuple[str | None, dict | None]:
@@ -325,6 +331,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.apply_train_state(train)
         return loaded
 
+    @EngineGuards.method
     def resume_newest_checkpoint(self, save_dir: str | None = None) -> tuple[str | None, dict | None]:
         """Load the newest complete, verified checkpoint in ``save_dir`` (default ``checkpoint.save_dir``),
         falling back to older ones; ``(None, None)`` when there is none (``checkpoint.auto_resume``)."""
@@ -336,6 +343,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.apply_train_state(train)
         return loaded
 
+    @EngineGuards.method
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the whole model's weights in the training dtype (DeepSpeed's method).
@@ -346,7 +354,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self._require_on_device("save_16bit_model()", FORWARD_NEEDS)
         comm.guard_point("save_16bit_model", self.global_steps, self.micro_steps)
         units = self.state.units
-        if self.state.partitions_weights and not self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save:
+        gather = self._config.zero_optimization.stage3_gather_16bit_weights_on_model_save
+        if self.state.partitions_weights and not gather:
             log_rank0("save_16bit_model: nothing saved: ZeRO stage 3 keeps the parameters partitioned; set "
                       "zero_optimization.stage3_gather_16bit_weights_on_model_save to true to gather them "
                       "(save_checkpoint saves the shards)", rank=self.global_rank)
@@ -356,6 +365,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         comm.barrier()
         return True
 
+    @EngineGuards.method
     def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict:
         """The whole state dict on rank 0 (empty on the others); every rank must call it."""
         self._require_on_device("_zero3_consolidated_16bit_state_dict()", FORWARD_NEEDS)
@@ -365,8 +375,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         return gathered if self.global_rank == 0 else {}
 
     def destroy(self) -> None:
-        """Release hooks and writers (DeepSpeed's ``engine.destroy()``); the collective guard's last exchange
-        is checked here rather than left in flight at exit."""
-        comm.settle_guard()
+        """Release hooks, writers and guards (DeepSpeed's ``engine.destroy()``); the collective guard's last
+        exchange is checked here rather than left in flight at exit."""
+        self.guards.close()
         self.state.remove_hooks()
         self.monitor.close()

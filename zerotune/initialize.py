@@ -15,18 +15,20 @@ from typing import Any, Callable, Iterable
 import torch
 
 from zerotune.config import ConfigError
-from zerotune.distributed import comm
+from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.distributed.env import DEFAULT_PORT
-from zerotune.distributed.guard import GUARD
-from zerotune.distributed.mesh import AXES, DERIVED_AXES, ProcessMesh
-from zerotune.distributed.watchdog import WATCHDOG
 from zerotune.engine import Engine
-from zerotune.initialize_phases import (assemble_engine, build_stage, build_training, check_run, configure_run,
-                                        place_model)
+from zerotune.initialize_phases import (
+    assemble_engine,
+    build_stage,
+    build_training,
+    check_run,
+    configure_run,
+    place_model,
+)
 from zerotune.monitor.logging import log_rank0
-from zerotune.parallel.activation_checkpointing import configure as configure_activation_checkpointing
+from zerotune.parallel.activation_checkpointing import policy_from_section
 from zerotune.pipe.module import PipelineModule
-
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -74,20 +76,18 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     setup = configure_run(_config_source(args, config, config_params), model, dist_init_required=dist_init_required,
                           distributed_port=distributed_port)
     cfg, env = setup.cfg, setup.env
-    if cfg.comm_timeout_s is None:  # (process-wide: the latest engine's setting holds)
-        WATCHDOG.stop()
-    else:
-        WATCHDOG.start(cfg.comm_timeout_s, rank=env.rank)
-    _arm_collective_guard(cfg.collective_guard, setup.raw.model_dump(mode="json"), setup.mesh, model, env.rank)
+    # This engine's own guards (distributed/engine_guards.py): its collective guard, its watchdog timeout, and
+    # the activation-checkpointing policy its checkpoint(...) calls and wrapped blocks follow.
+    guards = EngineGuards.start(collective_guard=cfg.collective_guard, comm_timeout_s=cfg.comm_timeout_s,
+                                checkpoint_policy=policy_from_section(cfg.activation_checkpointing),
+                                config=setup.raw.model_dump(mode="json"), mesh=setup.mesh, model=model, rank=env.rank,
+                                stage_local=isinstance(model, PipelineModule))
     check_run(setup, has_training_data=training_data is not None)
-    # The config is the source of truth for zerotune.checkpointing.checkpoint(...) calls and for blocks wrapped by
-    # apply_activation_checkpointing(model) without an explicit policy (they read it at call time).
-    configure_activation_checkpointing(deepspeed_config=cfg.activation_checkpointing)
-    placed = place_model(setup, model)
+    placed = place_model(setup, model, guards)
     stage = build_stage(setup, placed, optimizer, model_parameters)
     training = build_training(setup, stage, optimizer, lr_scheduler)
     engine = assemble_engine(setup, placed, stage, training, training_data=training_data, collate_fn=collate_fn,
-                             client_optimizer=optimizer)
+                             client_optimizer=optimizer, guards=guards)
     if cfg.compile.enabled:
         engine.compile(backend=cfg.compile.backend, compile_kwargs=cfg.compile.kwargs)
     if cfg.checkpoint.auto_resume:
@@ -101,27 +101,3 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
               setup.policy.name, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
               cfg.train_batch_size, rank=env.rank)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
-
-
-def _arm_collective_guard(enabled: bool, config: dict, mesh: ProcessMesh, model: torch.nn.Module, rank: int) -> None:
-    """Start the collective guard (process-wide, like the watchdog: the latest engine's setting holds) and
-    compare every rank's config and model before the first collective that depends on them."""
-    if not enabled:
-        GUARD.stop()
-        return
-    GUARD.start([mesh.group(axis) for axis in (*AXES, *DERIVED_AXES)], rank=rank, store=_rendezvous_store())
-    signature = [f"{name} {tuple(p.shape)} {str(p.dtype).removeprefix('torch.')}" for name, p in model.named_parameters()]
-    if isinstance(model, PipelineModule):  # a stage's ranks hold the same layers
-        dp_sp = mesh.group("dp_sp")
-        peers = torch.distributed.get_process_group_ranks(dp_sp) if dp_sp is not None else [rank]
-    else:
-        peers = list(range(torch.distributed.get_world_size()))
-    comm.check_same_setup(config, signature, tuple(peers))
-
-
-def _rendezvous_store() -> torch.distributed.Store | None:
-    """The default group's store (stalled ranks compare notes there); None where torch hides it."""
-    try:
-        return torch.distributed.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - a private accessor: without it, stalls wait for the watchdog
-        return None

@@ -21,6 +21,7 @@ from zerotune.config.schema import ZeroTuneConfig
 from zerotune.curriculum.data_sampling import DataCurriculum
 from zerotune.distributed import comm
 from zerotune.distributed.compression import TopKCompressor
+from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.distributed.env import DistEnv, init_distributed
 from zerotune.distributed.mesh import ProcessMesh, build_mesh
 from zerotune.engine import Engine
@@ -139,12 +140,12 @@ def check_run(setup: RunSetup, *, has_training_data: bool) -> None:
                                                       "stages 0-2 without a pipeline")
 
 
-def place_model(setup: RunSetup, model: torch.nn.Module) -> PlacedModel:
-    """Checkpointed blocks where the model declares them, then the model on its device with rank 0's weights,
-    cut into this rank's pipeline stage and split over tp / sp."""
+def place_model(setup: RunSetup, model: torch.nn.Module, guards: EngineGuards) -> PlacedModel:
+    """Checkpointed blocks where the model declares them (following ``guards``' policy), then the model on its
+    device with rank 0's weights, cut into this rank's pipeline stage and split over tp / sp."""
     cfg, env, mesh = setup.cfg, setup.env, setup.mesh
     if "activation_checkpointing" in setup.raw.model_fields_set:  # (checkpoint_blocks_at_initialize says why)
-        _, outcome = checkpoint_blocks_at_initialize(model, cfg.activation_checkpointing.wrap_blocks)
+        _, outcome = checkpoint_blocks_at_initialize(model, cfg.activation_checkpointing.wrap_blocks, engine=guards)
         log_rank0("activation checkpointing: %s", outcome, rank=env.rank)
     cut_here = setup.pipelined and not isinstance(model, PipelineModule)  # an HF model every rank built whole
     if not cut_here:  # (one to cut stays on the host until then: only this rank's stage goes to the device)
@@ -206,7 +207,8 @@ def build_training(setup: RunSetup, stage: StagePiece, client_optimizer: Any, cl
 
 
 def assemble_engine(setup: RunSetup, placed: PlacedModel, stage: StagePiece, training: Training, *,
-                    training_data: Any, collate_fn: Callable | None, client_optimizer: Any) -> Engine:
+                    training_data: Any, collate_fn: Callable | None, client_optimizer: Any,
+                    guards: EngineGuards) -> Engine:
     """The engine over the pieces (a ``PipelineEngine`` for a pipelined model), with its data loader."""
     cfg, env, mesh = setup.cfg, setup.env, setup.mesh
     curriculum = DataCurriculum.from_config(cfg.data_efficiency, cfg.gradient_accumulation_steps, env.rank)
@@ -218,7 +220,7 @@ def assemble_engine(setup: RunSetup, placed: PlacedModel, stage: StagePiece, tra
         param_names={id(p): n for n, p in placed.module.named_parameters()},
         training_dataloader=build_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu, collate_fn,
                                              cfg.dataloader_drop_last, curriculum),
-        compressor=stage.compressor,
+        compressor=stage.compressor, guards=guards,
         client_optimizer=client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) else None)
 
 

@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import zerotune  # noqa: E402
 from tests.models import make_mlp, mlp_batch  # noqa: E402
-from zerotune.distributed.guard import GUARD  # noqa: E402
 from zerotune.distributed.guard_torch import guard_torch_distributed  # noqa: E402
 
 
@@ -50,7 +49,7 @@ def main() -> None:
     config = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 1000, "comm_timeout_s": args.comm_timeout,
               "zero_optimization": {"stage": args.stage}, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
     engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
-    GUARD.interval = args.guard_interval
+    engine.guards.guard.interval = args.guard_interval
     if args.guard_torch_distributed:
         guard_torch_distributed()
     for step in range(args.steps):

@@ -7,8 +7,8 @@ Two reasons to route everything here:
   with ``reset_comm_stats()``). Volume follows the ZeRO paper's convention, in bytes of the
   full logical tensor: an all-reduce of S bytes counts 2S (it is a reduce-scatter plus an
   all-gather), a reduce-scatter counts its full input S, an all-gather its full output S, a
-  reduce or broadcast its tensor S, an all-to-all its input S (what each rank sends). Data parallel then moves 2 x model bytes per step, as do
-  ZeRO stages 1 and 2 (reduce-scatter + all-gather), and stage 3 moves 3x;
+  reduce or broadcast its tensor S, an all-to-all its input S (what each rank sends). Data parallel then
+  moves 2 x model bytes per step, as do ZeRO stages 1 and 2 (reduce-scatter + all-gather), and stage 3 moves 3x;
 * failure reporting -- a collective that fails or times out (a dead or diverging rank) is
   re-raised as ``CommError`` naming the op, this rank and the group size, instead of a bare
   gloo/NCCL message from deep inside; one still pending after ``comm_timeout_s`` is reported and
@@ -16,6 +16,9 @@ Two reasons to route everything here:
 * agreement -- each call is folded into its group's running record, which ranks compare before every
   engine phase that communicates (``guard_point``), so ranks whose collectives diverge stop at once with
   ``CollectiveMismatch`` instead of pairing unrelated collectives (``guard.py``).
+
+The guard and the watchdog timeout a call reports to are its engine's: ``guard_scope.current_scope()`` (the
+engine whose method is running, else the one that ran last). The byte counters are the process's.
 
 A group of ``None`` from ``ProcessMesh.group`` means an axis of size 1: nothing to do.
 """
@@ -31,8 +34,15 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from zerotune.distributed.guard import (GUARD, CollectiveMismatch, PendingExchange, call_site, mismatch_message,
-                                        setup_differences)
+from zerotune.distributed.guard import (
+    CollectiveGuard,
+    CollectiveMismatch,
+    PendingExchange,
+    call_site,
+    mismatch_message,
+    setup_differences,
+)
+from zerotune.distributed.guard_scope import GuardScope, current_scope
 from zerotune.distributed.guard_stall import published_verdict
 from zerotune.distributed.watchdog import WATCHDOG
 
@@ -70,7 +80,7 @@ def _group_size(group: dist.ProcessGroup | None) -> int:
 
 
 def _describe_failure(op: str, group: dist.ProcessGroup | None, error: Exception) -> CommError | CollectiveMismatch:
-    verdict = published_verdict()  # the peer left because stalled ranks found diverging collectives
+    verdict = published_verdict(current_scope().guard)  # the peer left: stalled ranks found diverging collectives
     if verdict is not None:
         return CollectiveMismatch(verdict)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -107,14 +117,13 @@ def run_collective(op: str, group: dist.ProcessGroup | None, nbytes: int, launch
     """Count ``nbytes`` under ``op``, record it for the guard, launch, and wait unless ``async_op``; failures
     become CommError. Every collective, zerotune's own and those issued through ``zerotune.comm``, passes
     here (``peer``: the other end of a point-to-point transfer)."""
-    if GUARD.pending is not None:
-        settle_guard()
+    scope = current_scope()
+    if scope.guard.pending is not None:
+        _settle(scope.guard)
     stats = _stats[op]
     stats.calls += 1
     stats.bytes += nbytes
-    site = call_site() if GUARD.active or WATCHDOG.armed else ""
-    record = GUARD.record(op, group, dtype, nbytes, site, peer) if GUARD.active else None
-    token = WATCHDOG.begin(op, _group_size(group), nbytes, site, record)
+    token = _begin(scope, op, group, _group_size(group), nbytes, dtype, peer)
     try:
         work = launch()
     except Exception as error:  # noqa: BLE001 - re-raised with context
@@ -131,6 +140,16 @@ def run_collective(op: str, group: dist.ProcessGroup | None, nbytes: int, launch
     return handle
 
 
+def _begin(scope: GuardScope, op: str, group: dist.ProcessGroup | None, ranks: int, nbytes: int,
+           dtype: torch.dtype | None, peer: int | None) -> int | None:
+    """Record a collective in ``scope``'s guard and register it with the watchdog under ``scope``'s timeout;
+    returns the watchdog's token."""
+    guard = scope.guard
+    site = call_site() if guard.active or scope.timeout_s is not None else ""
+    record = guard.record(op, group, dtype, nbytes, site, peer) if guard.active else None
+    return WATCHDOG.begin(op, ranks, nbytes, site, record, timeout_s=scope.timeout_s, guard=guard)
+
+
 # torch 2.13 renamed the flat-tensor collectives (the old names warn); older releases only have the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -141,9 +160,7 @@ def _watched(op: str, group: dist.ProcessGroup | None, ranks: int, nbytes: int, 
              dtype: torch.dtype | None = None) -> Iterator[None]:
     """A blocking call outside ``run_collective``: recorded for the guard, known to the watchdog while it waits
     (the caller settles the guard first, outside its error handling)."""
-    site = call_site() if GUARD.active or WATCHDOG.armed else ""
-    record = GUARD.record(op, group, dtype, nbytes, site, peer) if GUARD.active else None
-    token = WATCHDOG.begin(op, ranks, nbytes, site, record)
+    token = _begin(current_scope(), op, group, ranks, nbytes, dtype, peer)
     try:
         yield
     finally:
@@ -293,60 +310,67 @@ def guard_point(phase: str, step: int, micro_step: int) -> None:
     small all-gather on the guard's own group, neither counted nor recorded. It is launched here and waited
     for by this rank's next collective (``settle_guard``), so it overlaps the phase's computation; no data
     collective is issued before the records agree. On any difference every rank raises
-    ``CollectiveMismatch`` naming each rank's phase and last collectives."""
-    settle_guard()
-    group = GUARD.group
+    ``CollectiveMismatch`` naming each rank's phase and last collectives. The guard is the running engine's."""
+    guard = current_scope().guard
+    _settle(guard)
+    group = guard.group
     if group is None:
         return
     started = time.perf_counter()
-    GUARD.points += 1
-    row = GUARD.vector(phase, step, micro_step)
+    guard.points += 1
+    row = guard.vector(phase, step, micro_step)
     rows = torch.empty(dist.get_world_size(group) * row.numel(), dtype=row.dtype)
     try:
-        work = (GUARD.backend._allgather_base(rows, row) if GUARD.backend is not None
+        work = (guard.backend._allgather_base(rows, row) if guard.backend is not None
                 else _all_gather_single(rows, row, group=group, async_op=True))
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure(f"collective guard exchange before {phase}", group, error) from error
     launch_s = time.perf_counter() - started
-    GUARD.pending = PendingExchange(work, rows, phase, step, micro_step, started, launch_s)
-    GUARD.seconds += launch_s
+    guard.pending = PendingExchange(work, rows, phase, step, micro_step, started, launch_s)
+    guard.seconds += launch_s
 
 
 def settle_guard() -> None:
-    """Wait for the guard exchange in flight, if any, and raise ``CollectiveMismatch`` if the records differ."""
-    pending, GUARD.pending = GUARD.pending, None
-    if pending is None or GUARD.group is None:
+    """Wait for the running engine's guard exchange in flight, if any, and raise ``CollectiveMismatch`` if the
+    records differ."""
+    _settle(current_scope().guard)
+
+
+def _settle(guard: CollectiveGuard) -> None:
+    pending, guard.pending = guard.pending, None
+    if pending is None or guard.group is None:
         return
-    group, world = GUARD.group, dist.get_world_size(GUARD.group)
+    group, world = guard.group, dist.get_world_size(guard.group)
     phase = pending.phase
     started = time.perf_counter()
     try:
         with _watched_only(f"collective guard before {phase}", world,
                            phase=f"{phase} (step {pending.step}, micro-step {pending.micro_step})"):
             pending.work.wait()
-            problems = GUARD.disagreements(pending.rows.view(world, -1))
+            problems = guard.disagreements(pending.rows.view(world, -1))
             if problems:
                 described: list[object] = [None] * world
-                dist.all_gather_object(described, GUARD.describe(phase, pending.step, pending.micro_step),
+                dist.all_gather_object(described, guard.describe(phase, pending.step, pending.micro_step),
                                        group=group)
     except Exception as error:  # noqa: BLE001 - re-raised with context
         raise _describe_failure(f"collective guard exchange before {phase}", group, error) from error
     ended = time.perf_counter()
-    GUARD.seconds += ended - started
-    if GUARD.timings is not None:
-        GUARD.timings.append((pending.arrived, pending.launch_s, started, ended))
+    guard.seconds += ended - started
+    if guard.timings is not None:
+        guard.timings.append((pending.arrived, pending.launch_s, started, ended))
     if problems:
         raise CollectiveMismatch(mismatch_message(described, problems))
-    GUARD.adapt(pending.rows.view(world, -1))
+    guard.adapt(pending.rows.view(world, -1))
 
 
 def check_same_setup(config: dict, model_signature: list[str], model_peers: tuple[int, ...]) -> None:
     """At ``initialize``, while the guard is armed: every rank's config must be the same, and the model
     pieces of ranks that hold the same piece (``model_peers``, this rank's data-parallel group) alike --
     ranks started differently would otherwise pair unrelated collectives from their first step.
-    ``model_signature``: each parameter's name, shape and dtype."""
-    settle_guard()
-    group = GUARD.group
+    ``model_signature``: each parameter's name, shape and dtype. The guard is the running engine's."""
+    guard = current_scope().guard
+    _settle(guard)
+    group = guard.group
     if group is None:
         return
     setups: list[object] = [None] * dist.get_world_size(group)
@@ -366,15 +390,16 @@ def check_same_setup(config: dict, model_signature: list[str], model_peers: tupl
             first = next((i for i, (a, b) in enumerate(zip(theirs, model_signature)) if a != b),
                          min(len(theirs), len(model_signature)))
             raise CollectiveMismatch(
-                f"ranks {rank} and {GUARD.rank} should hold the same model but differ at parameter {first}: rank "
-                f"{rank} has {theirs[first] if first < len(theirs) else '<none>'}, rank {GUARD.rank} has "
+                f"ranks {rank} and {guard.rank} should hold the same model but differ at parameter {first}: rank "
+                f"{rank} has {theirs[first] if first < len(theirs) else '<none>'}, rank {guard.rank} has "
                 f"{model_signature[first] if first < len(model_signature) else '<none>'}")
 
 
 @contextmanager
 def _watched_only(op: str, ranks: int, phase: str | None = None) -> Iterator[None]:
     """The guard's own exchanges: known to the watchdog (as waiting at ``phase``'s guard point), not recorded."""
-    token = WATCHDOG.begin(op, ranks, 0, call_site(), phase=phase)
+    scope = current_scope()
+    token = WATCHDOG.begin(op, ranks, 0, call_site(), phase=phase, timeout_s=scope.timeout_s, guard=scope.guard)
     try:
         yield
     finally:

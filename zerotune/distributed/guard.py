@@ -23,17 +23,20 @@ What it cannot see: collectives of different size inside one phase (gloo aborts 
 guard point) and a rank that waits in a user collective while the others wait at a guard point (the
 watchdog ends that after ``comm_timeout_s``, unless ``guard_torch.py`` brings the script's own
 ``torch.distributed`` calls under the guard). Config key ``collective_guard`` (default on) turns it off.
+Each engine has its own guard (``engine_guards.py``); ``guard_scope.py`` says which one a collective reports to.
 """
 
 from __future__ import annotations
 
 import atexit
+import itertools
 import sys
 import time
+import weakref
 import zlib
-from datetime import timedelta
 from collections import deque
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Iterable
 
 import torch
@@ -85,15 +88,21 @@ class PendingExchange:
     launch_s: float = 0.0  # the training thread's time launching the exchange
 
 
+_GENERATIONS = itertools.count(1)
+"""Guards started in this process, numbered alike on every rank (``start`` is collective): each guard's notes in
+the rendezvous store live under its own number, so two engines' guards never read each other's."""
+_STARTED: weakref.WeakSet[CollectiveGuard] = weakref.WeakSet()
+"""Guards started in this process and still alive, for ``release_at_exit``."""
+
+
 class CollectiveGuard:
-    """Per-process state: the group logs, the guard's group, and the phase/point logic."""
+    """One engine's record (``engine_guards.py``): the group logs, the guard's group, and the phase/point logic."""
 
     def __init__(self) -> None:
         self.group: dist.ProcessGroup | None = None
         self.backend: Any = None  # the group's gloo backend, when it can be called directly (``_direct_backend``)
         self.store: dist.Store | None = None  # where stalled ranks compare notes (guard_stall.py)
         self.rank = 0
-        self._generation = 0
         self.points = 0  # guard points passed (benchmarks: exchanges per step)
         self.seconds = 0.0  # time the training thread spent launching and waiting for exchanges (benchmarks)
         self.pending: PendingExchange | None = None
@@ -105,7 +114,6 @@ class CollectiveGuard:
         times, which is one clock for every process of a machine."""
         self._logs: dict[str, GroupLog] = {}
         self._names: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, log name)
-        self._release_registered = False
 
     @property
     def active(self) -> bool:
@@ -120,11 +128,9 @@ class CollectiveGuard:
             return
         self.group = dist.new_group(backend="gloo")  # its own: a guard exchange never pairs with data
         self.backend = _direct_backend(self.group)
-        if not self._release_registered:
-            atexit.register(self.release_at_exit)
-            self._release_registered = True
-        self._generation += 1  # every rank starts alike, so the generations agree
-        self.store = None if store is None else dist.PrefixStore(f"zerotune/guard/{self._generation}", store)
+        _STARTED.add(self)
+        generation = next(_GENERATIONS)  # every rank starts guards alike, so the numbers agree
+        self.store = None if store is None else dist.PrefixStore(f"zerotune/guard/{generation}", store)
         self.rank = rank
         self.pending = None
         self.interval = 1
@@ -349,5 +355,12 @@ def call_site() -> str:
     return f"{short}:{frame.f_lineno} ({frame.f_code.co_name})"
 
 
+@atexit.register
+def _release_started_guards() -> None:
+    for guard in list(_STARTED):
+        guard.release_at_exit()
+
+
 GUARD = CollectiveGuard()
-"""The process's guard: collectives are process-global, so is their record."""
+"""The process default guard, off unless armed directly (benchmarks): collectives issued before any engine was
+built report to it (``guard_scope.py``). Each engine owns its own guard (``engine_guards.py``)."""

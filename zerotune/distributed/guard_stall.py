@@ -16,6 +16,7 @@ Every stalled rank reaches the verdict from the same records, prints it as ``Col
 exits; a rank whose collective fails because a peer left finds the verdict in the store (``comm.py``).
 A slow rank publishes nothing (it is not waiting), so slowness alone is never a verdict; a record is
 deleted when its collective completes -- a guard point's by the training thread before it moves on.
+The notes are the pending collective's engine's: its guard's record, under its guard's key in the store.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from zerotune.distributed.guard import GUARD, group_lines
+from zerotune.distributed.guard import CollectiveGuard, group_lines
 
 SPREAD_S = 2.0
 """How long a rank that reached a verdict stays up before exiting: every other stalled rank's watchdog ticks
@@ -39,23 +40,23 @@ class StallNotes:
 
     def __init__(self) -> None:
         self.published: int | None = None  # the watchdog token of the collective our record describes
+        self._guard: CollectiveGuard | None = None  # whose store holds it
 
     def tick(self, token: int | None, entry: Any, waited: float) -> str | None:
         """Called by the watchdog thread every tick with the oldest pending collective (``token`` None when
-        nothing is pending); returns a verdict message, or None."""
-        store = GUARD.store
-        if store is None:
-            return None
+        nothing is pending; ``entry.guard``: its engine's guard); returns a verdict message, or None."""
         if self.published is not None and self.published != token:
             self.withdraw(self.published)
-        if token is None or waited < GRACE_S:
+        guard: CollectiveGuard | None = entry.guard if entry is not None else None
+        if guard is None or guard.store is None or token is None or waited < GRACE_S:
             return None
+        store = guard.store
         if self.published is None:
-            store.set(f"stall/{GUARD.rank}", json.dumps(_record(token, entry)))
-            self.published = token
+            store.set(f"stall/{guard.rank}", json.dumps(_record(guard, token, entry)))
+            self.published, self._guard = token, guard
         if store.check([VERDICT_KEY]):
             return store.get(VERDICT_KEY).decode()
-        verdict = _verdict(_record(token, entry), _stalled_peers(store))
+        verdict = _verdict(_record(guard, token, entry), _stalled_peers(guard, store))
         if verdict is not None:
             store.set(VERDICT_KEY, verdict)
         return verdict
@@ -63,30 +64,32 @@ class StallNotes:
     def withdraw(self, token: int) -> None:
         """The collective ``token`` completed: our record no longer holds (the training thread calls this for a
         guard point before it moves on, so no peer reads a stale one)."""
-        if self.published == token and GUARD.store is not None:
-            self.published = None
+        guard = self._guard
+        if self.published == token and guard is not None and guard.store is not None:
+            self.published = self._guard = None
             try:
-                GUARD.store.delete_key(f"stall/{GUARD.rank}")
+                guard.store.delete_key(f"stall/{guard.rank}")
             except Exception:  # noqa: BLE001 - the store left with its host rank: nobody reads the record now
                 pass
 
 
-def published_verdict() -> str | None:
-    """The verdict stalled ranks reached, if any (a rank whose collective failed asks before reporting)."""
-    store = GUARD.store
+def published_verdict(guard: CollectiveGuard) -> str | None:
+    """The verdict stalled ranks reached in ``guard``'s notes, if any (a rank whose collective failed asks before
+    reporting)."""
+    store = guard.store
     try:
         return store.get(VERDICT_KEY).decode() if store is not None and store.check([VERDICT_KEY]) else None
     except Exception:  # noqa: BLE001 - the store may be gone with the rank that hosted it
         return None
 
 
-def _record(token: int, entry: Any) -> dict:
-    return {"rank": GUARD.rank, "token": token, "op": entry.op, "site": entry.site, "phase": entry.phase,
-            "pending": list(entry.record) if entry.record else None, "groups": GUARD.snapshot()}
+def _record(guard: CollectiveGuard, token: int, entry: Any) -> dict:
+    return {"rank": guard.rank, "token": token, "op": entry.op, "site": entry.site, "phase": entry.phase,
+            "pending": list(entry.record) if entry.record else None, "groups": guard.snapshot()}
 
 
-def _stalled_peers(store: Any) -> list[dict]:
-    peers = sorted({rank for _, _, _, ranks in GUARD.snapshot().values() for rank in ranks} - {GUARD.rank})
+def _stalled_peers(guard: CollectiveGuard, store: Any) -> list[dict]:
+    peers = sorted({rank for _, _, _, ranks in guard.snapshot().values() for rank in ranks} - {guard.rank})
     records = []
     for rank in peers:
         key = f"stall/{rank}"

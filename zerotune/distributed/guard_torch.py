@@ -18,6 +18,11 @@ functions imported by name before the call (``from torch.distributed import all_
 ``send`` / ``recv``, and torch's internals. An ``async_op=True`` call returns zerotune's handle (``wait()``,
 ``is_completed()``) instead of torch's ``Work``. Each call counts in ``comm.comm_stats()`` under
 ``torch.distributed.<name>``, apart from zerotune's own traffic, as the bytes of the tensor(s) named below.
+
+Which engine's guard (and watchdog timeout) a call reports to, with several engines in one process: the engine
+whose method is running (a call inside a model's forward), else the engine the script called last (a loss
+averaged after ``engine.step()`` reports to that engine) -- ``guard_scope.py``. Every rank runs the same
+script, so every rank attributes the call alike; an engine with ``collective_guard: false`` records nothing.
 """
 
 from __future__ import annotations

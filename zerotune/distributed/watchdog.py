@@ -10,6 +10,10 @@ ends the process with exit status ``EXIT_STATUS``, so a launcher (torchrun) tear
 thread lets a rank stalled for a few seconds compare notes with the other stalled ranks
 (``guard_stall.py``): ranks deadlocked by diverging collectives end with ``CollectiveMismatch`` in
 seconds, not after the timeout.
+
+One thread serves every engine of the process: each pending collective carries its engine's timeout and
+collective guard (``guard_scope.py`` finds them), so two engines with different ``comm_timeout_s`` each keep
+their own, and an engine without one (``comm_timeout_s: null``) registers nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +45,10 @@ class _Pending:
     nbytes: int
     site: str
     started: float
+    timeout_s: float
+    """Its engine's ``comm_timeout_s``."""
+    guard: Any = None
+    """Its engine's ``CollectiveGuard`` (whose notes a stall compares), or None."""
     record: tuple[str, int] | None = None
     """(group, index) of this collective in the collective guard's record."""
     phase: str | None = None
@@ -51,10 +59,10 @@ class _Pending:
 
 
 class Watchdog:
-    """Tracks pending collectives; ``start(timeout_s)`` arms the checking thread."""
+    """Tracks pending collectives, each with its own timeout; ``start`` runs the checking thread."""
 
     def __init__(self) -> None:
-        self.timeout_s: float | None = None
+        self._tick_s = 1.0  # between checks: a tenth of the shortest timeout started, at most a second
         self._pending: dict[int, _Pending] = {}
         self._lock = threading.Lock()
         self._ids = itertools.count()
@@ -64,8 +72,9 @@ class Watchdog:
         self.rank = 0
 
     def start(self, timeout_s: float, rank: int) -> None:
-        """Arm (or re-arm with a new timeout); idempotent."""
-        self.timeout_s, self.rank = float(timeout_s), rank
+        """Run the checking thread (idempotent), checking often enough for collectives with ``timeout_s``."""
+        self.rank = rank
+        self._tick_s = min(self._tick_s, float(timeout_s) / 10)
         if self._thread is None:
             self._thread = threading.Thread(target=self._watch, name="zerotune-watchdog", daemon=True)
             self._thread.start()
@@ -79,21 +88,15 @@ class Watchdog:
         if self._thread is not None:
             self._thread.join(timeout=5.0)
 
-    def stop(self) -> None:
-        self.timeout_s = None
-
-    @property
-    def armed(self) -> bool:
-        return self.timeout_s is not None
-
     def begin(self, op: str, ranks: int, nbytes: int, site: str, record: tuple[str, int] | None = None,
-              phase: str | None = None) -> int | None:
-        """Register a collective about to be issued from ``site``; returns its token (None when disarmed)."""
-        if self.timeout_s is None:
+              phase: str | None = None, *, timeout_s: float | None, guard: Any = None) -> int | None:
+        """Register a collective about to be issued from ``site`` by an engine with ``timeout_s`` (None: not
+        watched) and collective ``guard``; returns its token (None when not watched)."""
+        if timeout_s is None:
             return None
         token = next(self._ids)
         with self._lock:
-            self._pending[token] = _Pending(op, ranks, nbytes, site, time.monotonic(), record, phase)
+            self._pending[token] = _Pending(op, ranks, nbytes, site, time.monotonic(), timeout_s, guard, record, phase)
         return token
 
     def issued(self, token: int | None, handle: Any) -> None:
@@ -114,20 +117,17 @@ class Watchdog:
 
     def _watch(self) -> None:
         while True:
-            if self._exiting.wait(0.5 if self.timeout_s is None else min(1.0, self.timeout_s / 10)):
+            if self._exiting.wait(self._tick_s):
                 return
-            timeout = self.timeout_s
-            if timeout is None:
-                continue
             now = time.monotonic()
             with self._lock:
                 for token, entry in list(self._pending.items()):
                     if entry.handle is not None and _completed(entry.handle()):
                         del self._pending[token]
-                overdue = [e for e in self._pending.values() if now - e.started > timeout]
+                overdue = [e for e in self._pending.values() if now - e.started > e.timeout_s]
                 oldest = min(self._pending.items(), key=lambda item: item[1].started, default=(None, None))
             if overdue:
-                self._fire(min(overdue, key=lambda e: e.started), now, timeout)
+                self._fire(min(overdue, key=lambda e: e.started), now)
             token, entry = oldest
             try:
                 verdict = self._stall_notes.tick(token, entry, now - entry.started if entry is not None else 0.0)
@@ -136,7 +136,8 @@ class Watchdog:
             if verdict is not None:
                 self._fire_mismatch(verdict)
 
-    def _fire(self, entry: _Pending, now: float, timeout: float) -> None:
+    def _fire(self, entry: _Pending, now: float) -> None:
+        timeout = entry.timeout_s
         message = (f"zerotune watchdog: rank {self.rank}: {entry.op} over {entry.ranks} ranks ({entry.nbytes} bytes, "
                    f"issued at {entry.site}) has not completed after {now - entry.started:.1f} s (comm_timeout_s "
                    f"is {timeout:g}): another rank stopped, died or issued other collectives. Every thread's Python "
@@ -173,4 +174,4 @@ def _completed(handle: Any) -> bool:
 
 
 WATCHDOG = Watchdog()
-"""The process's watchdog: collectives are process-global, so is their watchdog."""
+"""The process's watchdog thread, serving every engine's collectives with that engine's timeout."""

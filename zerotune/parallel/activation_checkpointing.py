@@ -5,7 +5,7 @@ Two ways in, one mechanism (``torch.utils.checkpoint`` with ``use_reentrant=Fals
 equal an uncheckpointed run exactly):
 
 - DeepSpeed's global API, ``checkpoint(function, *args)`` after ``configure(...)`` (reached as
-  ``zerotune.checkpointing``); the configured policy is the one module-level default.
+  ``zerotune.checkpointing``); the policy in force is the running engine's (below).
 - ``apply_activation_checkpointing(model)``: replaces the ``forward`` of every transformer block
   (classes named in a Hugging Face model's ``_no_split_modules``, or an explicit list) by a
   checkpointed call, optionally only ``number_checkpoints`` evenly spaced blocks; reversible.
@@ -24,6 +24,13 @@ memory (pinned for CUDA tensors, copied asynchronously) and moved back when the 
 Parameters passed as inputs stay where they are. Keyword tensor inputs are held by torch's recompute
 closure and stay on their device (HF blocks take hidden states positionally). On a CPU-only machine the
 inputs are still copied, so the path is the same one an accelerator runs.
+
+Whose policy: each engine owns one, from its ``activation_checkpointing`` section (``engine_guards.py``), so
+two engines in one process keep theirs. A region checkpointed without an explicit policy follows, in order:
+the engine whose blocks ``initialize`` wrapped (wherever the block is called from); else the engine whose
+method is running, or that ran last (``guard_scope.engine_scope``); else ``configure()``'s. A direct
+``configure()`` call after an engine was built overrides that engine's section, as it did when one global
+policy held the latest of ``initialize`` and ``configure`` (Megatron-style scripts call it that way).
 """
 
 from __future__ import annotations
@@ -47,7 +54,9 @@ from zerotune.config import (
     ZeroTuneConfig,
     load_config,
 )
+from zerotune.distributed.guard_scope import GuardScope, engine_scope, next_serial
 from zerotune.monitor.logging import log_rank0
+from zerotune.parallel.checkpoint_caches import without_empty_caches
 
 SECTION = "activation_checkpointing"
 
@@ -93,6 +102,7 @@ def policy_from_section(section: ActivationCheckpointingConfig) -> CheckpointPol
 
 # ---- DeepSpeed's global API ---------------------------------------------------------------
 _configured_policy: CheckpointPolicy | None = None
+_configured_at = 0  # guard_scope.next_serial() at the last configure() call
 
 
 def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activations: bool | None = None,
@@ -104,7 +114,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     ``deepspeed_config``: a config file path, a config dict, a ``ZeroTuneConfig`` or its
     ``ActivationCheckpointingConfig`` section. Returns the policy now in force.
     """
-    global _configured_policy
+    global _configured_policy, _configured_at
     if mpu_ is not None:
         raise NotSupportedYetError("mpu", "a Megatron mpu is not supported yet (tensor parallelism lands in a later "
                                           "release); call configure(None, ...)")
@@ -116,6 +126,7 @@ def configure(mpu_: Any = None, deepspeed_config: Any = None, partition_activati
     values = {f.name: getattr(base, f.name) for f in fields(CheckpointPolicy)}
     values.update({key: value for key, value in overrides.items() if value is not None})
     _configured_policy = CheckpointPolicy(**values)
+    _configured_at = next_serial()
     return _configured_policy
 
 
@@ -131,12 +142,23 @@ def _section_of(deepspeed_config: Any) -> ActivationCheckpointingConfig:
 
 
 def is_configured() -> bool:
-    """``deepspeed.checkpointing.is_configured``: whether ``configure`` was called in this process."""
-    return _configured_policy is not None
+    """``deepspeed.checkpointing.is_configured``: whether ``configure`` was called, or an engine built, in this
+    process (DeepSpeed's initialize configures it)."""
+    scope = engine_scope()
+    return _configured_policy is not None or (scope is not None and scope.checkpoint_policy is not None)
 
 
 def configured_policy() -> CheckpointPolicy:
-    """The policy ``configure`` set, or the defaults (plain checkpointing) before any call."""
+    """The policy in force now: the running (else the newest) engine's, or ``configure``'s where that came later,
+    or the defaults (plain checkpointing) before either (see the module docstring)."""
+    return policy_in_force(engine_scope())
+
+
+def policy_in_force(scope: GuardScope | None) -> CheckpointPolicy:
+    """``scope``'s engine's policy, unless ``configure`` was called after that engine was built (or there is no
+    engine, or it has none): then ``configure``'s, or the defaults."""
+    if scope is not None and scope.checkpoint_policy is not None and scope.serial > _configured_at:
+        return scope.checkpoint_policy
     return _configured_policy if _configured_policy is not None else CheckpointPolicy()
 
 
@@ -224,15 +246,16 @@ def _name_of(function: Callable) -> str:
 # ---- checkpointing a model's blocks -------------------------------------------------------
 _STATE = "_zerotune_activation_checkpoint"
 _ABSENT = object()
-_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
 @dataclass
 class _Wrapped:
-    """What a checkpointed block remembers: its name, its policy (None: the configured one at call time)."""
+    """What a checkpointed block remembers: its name, its policy (None: its engine's, or the one in force, at call
+    time) and the engine whose ``initialize`` wrapped it."""
 
     name: str
     policy: CheckpointPolicy | None
+    engine: GuardScope | None
     layer_idx: int | None
     previous_forward: Any  # the instance attribute ``forward`` had before wrapping, or _ABSENT
     warned: bool = False
@@ -249,20 +272,30 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
     call follows whatever ``configure`` set at that time (so the order relative to
     ``zerotune.initialize`` does not matter); ``number_checkpoints`` is read now.
     """
+    return _wrap_blocks(model, policy, modules, engine=None)
+
+
+def _wrap_blocks(model: torch.nn.Module, policy: CheckpointPolicy | None, modules: Iterable[type | str] | None,
+                 engine: GuardScope | None) -> list[str]:
+    """``apply_activation_checkpointing``; ``engine``: the engine whose policy the blocks follow (None: the one
+    in force at each call)."""
     _refuse_hf_checkpointing(model)
     remove_activation_checkpointing(model)
-    chosen = _evenly_spaced(checkpoint_block_names(model, modules), (policy or configured_policy()).number_checkpoints)
+    in_force = policy or (policy_in_force(engine) if engine is not None else configured_policy())
+    chosen = _evenly_spaced(checkpoint_block_names(model, modules), in_force.number_checkpoints)
     for name in chosen:
         module = model.get_submodule(name)
         layer_idx = next((m.layer_idx for m in module.modules() if type(getattr(m, "layer_idx", None)) is int), None)
-        state = _Wrapped(name, policy, layer_idx, module.__dict__.get("forward", _ABSENT))
+        state = _Wrapped(name, policy, engine, layer_idx, module.__dict__.get("forward", _ABSENT))
         setattr(module, _STATE, state)
         module.forward = types.MethodType(_checkpointed_forward, module)
     return chosen
 
 
-def checkpoint_blocks_at_initialize(model: torch.nn.Module, wrap_blocks: bool | None) -> tuple[list[str], str]:
-    """What ``initialize`` does with an ``activation_checkpointing`` block: the wrapped names, and why.
+def checkpoint_blocks_at_initialize(model: torch.nn.Module, wrap_blocks: bool | None,
+                                    engine: GuardScope | None = None) -> tuple[list[str], str]:
+    """What ``initialize`` does with an ``activation_checkpointing`` block: the wrapped names, and why. The blocks
+    follow ``engine``'s policy (its guards, ``engine_guards.py``) wherever they are called from.
 
     In DeepSpeed the block only configures ``deepspeed.checkpointing`` for the model's own
     ``checkpoint(...)`` calls; tools such as Lightning write it for every model. So a model that
@@ -277,7 +310,7 @@ def checkpoint_blocks_at_initialize(model: torch.nn.Module, wrap_blocks: bool | 
         if not any(getattr(m, "_no_split_modules", None) for m in model.modules()):
             return [], ("the model declares no transformer blocks (no _no_split_modules): the block configures "
                         "zerotune.checkpointing for the model's own checkpoint(...) calls")
-    wrapped = apply_activation_checkpointing(model)
+    wrapped = _wrap_blocks(model, None, None, engine)
     return wrapped, f"{len(wrapped)} block(s) wrapped" + (f" ({wrapped[0]}, ...)" if wrapped else "")
 
 
@@ -311,48 +344,15 @@ def _checkpointed_forward(self: torch.nn.Module, *args: Any, **kwargs: Any) -> A
              else types.MethodType(type(self).forward, self))
     if not torch.is_grad_enabled():
         return inner(*args, **kwargs)
-    args, kwargs, replayable = _without_empty_caches(args, kwargs, state.layer_idx)
+    args, kwargs, replayable = without_empty_caches(args, kwargs, state.layer_idx)
     if not replayable:
         if not state.warned:
             state.warned = True
             log_rank0("activation checkpointing: %s got a cache holding past key/values (e.g. a prefix); the recompute "
                       "would update it twice, so this call runs without checkpointing", state.name, rank=_rank())
         return inner(*args, **kwargs)
-    return run_checkpointed(inner, args, kwargs, state.policy or configured_policy(), state.name)
-
-
-def _without_empty_caches(args: tuple, kwargs: dict, layer_idx: int | None) -> tuple[tuple, dict, bool]:
-    """Drop Hugging Face cache objects (as HF's own checkpointing does): the recompute would write them twice.
-
-    Training passes an empty cache that nothing reads; one holding past states for this layer (prefix
-    tuning) cannot be dropped, so the third value says the call must not be checkpointed.
-    """
-    def drop(value: Any) -> tuple[Any, bool]:
-        if not _is_hf_cache(value):
-            return value, True
-        return (value, False) if _past_length(value, layer_idx) > 0 else (None, True)
-
-    dropped_args = [drop(value) for value in args]
-    dropped_kwargs = {key: drop(value) if key in _CACHE_KWARGS else (value, True) for key, value in kwargs.items()}
-    if not all(ok for _, ok in [*dropped_args, *dropped_kwargs.values()]):
-        return args, kwargs, False
-    new_args = tuple(value for value, _ in dropped_args)
-    new_kwargs = {key: value for key, (value, _) in dropped_kwargs.items()}
-    if new_kwargs.get("use_cache"):
-        new_kwargs["use_cache"] = False
-    return new_args, new_kwargs, True
-
-
-def _is_hf_cache(value: Any) -> bool:
-    # By name, so transformers stays an optional dependency.
-    return any(cls.__name__ == "Cache" and cls.__module__.startswith("transformers") for cls in type(value).__mro__)
-
-
-def _past_length(cache: Any, layer_idx: int | None) -> int:
-    try:
-        return int(cache.get_seq_length() if layer_idx is None else cache.get_seq_length(layer_idx))
-    except (IndexError, KeyError):
-        return 0
+    policy = state.policy or (policy_in_force(state.engine) if state.engine is not None else configured_policy())
+    return run_checkpointed(inner, args, kwargs, policy, state.name)
 
 
 def _refuse_hf_checkpointing(model: torch.nn.Module) -> None:

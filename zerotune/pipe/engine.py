@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zerotune.distributed import comm
+from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.engine_core import EngineCore, check_batch_not_empty, map_tensors
 from zerotune.engine_offload_states import FORWARD_NEEDS
 from zerotune.parallel.tensor.state_dict import iter_full_tensors
@@ -111,6 +112,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         return super().__getattr__(name)
 
     # ---- one batch -------------------------------------------------------------------------
+    @EngineGuards.method
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
         """One optimizer step over GAS micro-batches; the mean loss on every rank."""
         self._require_on_device("train_batch()")
@@ -158,6 +160,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         self.micro_steps += micro_batches
         return mean_loss
 
+    @EngineGuards.method
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator | None = None, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None
@@ -183,6 +186,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         self.pipe.train(was_training)
         return self._broadcast_loss(losses, micro_batches)
 
+    @EngineGuards.method
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """Rank 0 writes the whole model, every stage's layers (tensor-parallel shards joined), under the
