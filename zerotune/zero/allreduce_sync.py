@@ -67,12 +67,14 @@ class AllReduceGradSync:
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
         view = self.buckets.view_of(param)
-        if param.grad.data_ptr() != view.data_ptr():
+        grad = param.grad
+        assert grad is not None  # a post-accumulate-grad hook runs once autograd has written the gradient
+        if grad.data_ptr() != view.data_ptr():
             if self._grads_in_buckets:  # autograd replaced the view (e.g. create_graph=True): take its sum
-                view.copy_(param.grad)
+                view.copy_(grad)
                 param.grad = view
             else:
-                view.add_(param.grad)
+                view.add_(grad)
                 param.grad = None
         if self._communicating:
             self.buckets.mark_ready(param)
@@ -80,17 +82,18 @@ class AllReduceGradSync:
     def _launch(self, bucket: Bucket) -> None:
         if self.local_only:
             return
+        buffer = bucket.ensure_buffer()  # (persistent: allocated with the bucket)
         # on the reduce stream, behind the backward that filled the bucket; the backward goes on meanwhile
-        with phase("reduce"), streams_for(bucket.buffer.device).on("reduce"):
+        with phase("reduce"), streams_for(buffer.device).on("reduce"):
             if self.pre_factor != 1.0:
-                bucket.buffer.div_(self.pre_factor)
+                buffer.div_(self.pre_factor)
             if self.compressor is not None:
-                handle = compression.all_reduce(bucket.buffer, self.group, self.compressor,
+                handle = compression.all_reduce(buffer, self.group, self.compressor,
                                                 f"all_reduce.{bucket.index}", async_op=True)
-                self._handles.append((handle, bucket.buffer, bucket.buffer))
+                self._handles.append((handle, buffer, buffer))
             else:
-                wire = comm.on_the_wire(bucket.buffer, self.comm_dtype)
-                self._handles.append((comm.all_reduce(wire, self.group, async_op=True), bucket.buffer, wire))
+                wire = comm.on_the_wire(buffer, self.comm_dtype)
+                self._handles.append((comm.all_reduce(wire, self.group, async_op=True), buffer, wire))
 
     def finish(self, ties: Sequence[TiedWeight] = ()) -> None:
         """Complete the boundary's communication; afterwards every bucket holds the mean gradient, and each tied
@@ -104,7 +107,7 @@ class AllReduceGradSync:
 
     def _complete(self) -> None:
         self.buckets.launch_remaining()
-        buffers = [bucket.buffer for bucket in self.buckets.buckets]
+        buffers = [bucket.ensure_buffer() for bucket in self.buckets.buckets]
         if buffers:
             streams = streams_for(buffers[0].device)
             with phase("reduce"), streams.on("reduce"):
@@ -152,7 +155,8 @@ class AllReduceGradSync:
 
     def grad_bytes(self) -> int:
         """The fp32 buckets *are* the gradient storage."""
-        return sum(b.buffer.numel() * b.buffer.element_size() for b in self.buckets.buckets)
+        return sum(buffer.numel() * buffer.element_size()
+                   for buffer in (b.ensure_buffer() for b in self.buckets.buckets))
 
     def buffer_bytes(self) -> int:
         """No communication buffers beyond the gradients themselves."""

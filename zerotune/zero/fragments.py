@@ -81,16 +81,17 @@ class ParamFragments(ZeroStage):
 
     @staticmethod
     def _piece_of(param: torch.Tensor, piece: HeldPiece | None, value: torch.Tensor, *, full: bool,
-                  what: str) -> torch.Tensor | None:
-        """This rank's part of ``value`` (a whole parameter if ``full``, else this rank's piece), flattened."""
+                  what: str) -> torch.Tensor:
+        """This rank's part of ``value`` (a whole parameter if ``full``, else this rank's piece), flattened: 0
+        elements where this rank holds no piece."""
         expected = param.numel() if full else (piece.length if piece is not None else 0)
         if not isinstance(value, torch.Tensor) or value.numel() != expected:
             got = value.numel() if isinstance(value, torch.Tensor) else type(value).__name__
             scope = f"the whole parameter, shape {tuple(param.shape)}" if full else "this rank's piece"
             raise ValueError(f"{what}: the value has {got} elements; expected {expected} ({scope})")
-        if piece is None:
-            return None
         flat = value.detach().reshape(-1)
+        if piece is None:
+            return flat[:0]
         return flat[piece.param_offset:piece.param_offset + piece.length] if full else flat
 
     # ---- masters and optimizer state -------------------------------------------------------
@@ -165,15 +166,16 @@ class ParamFragments(ZeroStage):
 
     # ---- gradients ----------------------------------------------------------------------------
     def _grad_target(self, param: torch.Tensor, index: int,
-                     piece: HeldPiece | None) -> tuple[torch.Tensor | None, bool]:
+                     piece: HeldPiece | None) -> tuple[torch.Tensor, bool] | None:
         """``(tensor, whole)``: ``param``'s whole gradient on this rank (stage 0; stage 1 before the boundary), or
-        the view of this rank's piece in its master's gradient (None if it holds none)."""
+        the view of this rank's piece in its master's gradient; None if it holds neither."""
         self._grad_sync.settle()
-        whole = self._grad_sync.whole_grad(param)
+        # (a located parameter is one of ``self.params``, the parameters the stage trains)
+        whole = self._grad_sync.whole_grad(cast(torch.nn.Parameter, param))
         if whole is not None:
             return whole.reshape(-1), True
         if piece is None:
-            return None, False
+            return None
         return self.master_grads()[index].reshape(-1)[piece.offset:piece.offset + piece.length], False
 
     def fragment_grad(self, param: torch.Tensor, *, full: bool) -> torch.Tensor | None:
@@ -183,11 +185,14 @@ class ParamFragments(ZeroStage):
         if located is None:
             return None
         index, piece = located
-        grad, whole = self._grad_target(param, index, piece)
-        if whole:
-            if full:
-                return grad.to(param.device, torch.float32, copy=True).view(param.shape)
-            grad = grad[piece.param_offset:piece.param_offset + piece.length] if piece is not None else grad[:0]
+        target = self._grad_target(param, index, piece)
+        grad = None
+        if target is not None:
+            grad, whole = target
+            if whole:
+                if full:
+                    return grad.to(param.device, torch.float32, copy=True).view(param.shape)
+                grad = grad[piece.param_offset:piece.param_offset + piece.length] if piece is not None else grad[:0]
         local = (grad.to(param.device, torch.float32, copy=True) if grad is not None
                  else torch.zeros(0, dtype=torch.float32, device=param.device))
         return self._assemble(param, piece, local) if full else local
@@ -202,13 +207,15 @@ class ParamFragments(ZeroStage):
             return
         index, piece = located
         part = self._piece_of(param, piece, value, full=full, what=f"set {'full' if full else 'local'} gradient")
-        grad, whole = self._grad_target(param, index, piece)
-        if whole and full:
-            grad.copy_(value.detach().reshape(-1))
-        elif whole and piece is not None:
-            grad[piece.param_offset:piece.param_offset + piece.length].copy_(part)
-        elif grad is not None:
-            grad.copy_(part)
+        target = self._grad_target(param, index, piece)
+        if target is not None:
+            grad, whole = target
+            if whole and full:
+                grad.copy_(value.detach().reshape(-1))
+            elif whole and piece is not None:
+                grad[piece.param_offset:piece.param_offset + piece.length].copy_(part)
+            elif not whole:  # (this rank's piece of its master's gradient)
+                grad.copy_(part)
         self._placement.clear_staging()
 
 

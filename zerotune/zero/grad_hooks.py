@@ -10,8 +10,10 @@ sync is collected its hooks are removed, leaving the user's parameters as they w
 
 from __future__ import annotations
 
+import types
 import weakref
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -32,7 +34,8 @@ def register_grad_ready_hooks(params: Iterable[torch.nn.Parameter],
             target(param)
 
     handles = [param.register_post_accumulate_grad_hook(on_grad_ready) for param in params]
-    weakref.finalize(method.__self__, _remove_all, handles)
+    owner = cast(types.MethodType, method).__self__  # (a bound method: its type as a Callable does not say so)
+    weakref.finalize(owner, _remove_all, handles)
     return handles
 
 

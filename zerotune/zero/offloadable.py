@@ -81,7 +81,7 @@ def _low_precision_params(state: Any, module: torch.nn.Module) -> list[torch.Ten
         # which each parameter's ds_tensor (its piece) views too
         return [t for unit in state.units for segment in unit.segments
                 for t in (segment.local, *(sharded.piece for sharded in segment.sharded))]
-    params = list(module.parameters())
+    params: list[torch.Tensor] = list(module.parameters())
     if isinstance(state, ShardedState):
         return params + [fg.buffer for fg in state.flat_groups]
     return params

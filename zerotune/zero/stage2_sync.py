@@ -118,9 +118,11 @@ class BucketedReduceGradSync:
         return bucket.buffer
 
     def _on_grad_ready(self, param: torch.nn.Parameter) -> None:
+        grad = param.grad
+        assert grad is not None  # a post-accumulate-grad hook runs once autograd has written the gradient
         for bucket, piece in self.buckets.pieces_of[id(param)]:
             self._buffer_for(bucket)
-            bucket.view(piece).copy_(piece.of(param.grad))
+            bucket.view(piece).copy_(piece.of(grad))
         param.grad = None
         if self._round_open:
             self.buckets.mark_ready(param)

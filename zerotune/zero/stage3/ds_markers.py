@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+from typing import Any
 
 import torch
 
@@ -66,13 +67,16 @@ class _PartitionNumel:
 def mark_partitioned(param: torch.nn.Parameter, *, numel: int, persistent: bool, piece: torch.Tensor,
                      piece_numel: int, users: set[int]) -> None:
     """Set the markers of a newly partitioned parameter (again after re-partitioning: ``ds_id`` is kept)."""
+    marked: Any = param  # (DeepSpeed's markers are attributes torch's types do not declare)
+    marked_piece: Any = piece
     if not hasattr(param, "ds_id"):
-        param.ds_id = next(_ids)
-    param.ds_shape, param.ds_numel, param.ds_persist = param.shape, numel, persistent
-    piece.ds_numel = piece_numel
-    param.ds_tensor, param.ds_active_sub_modules = piece, users
-    param.partition_numel = _PartitionNumel(piece_numel)
+        marked.ds_id = next(_ids)
+    marked.ds_shape, marked.ds_numel, marked.ds_persist = param.shape, numel, persistent
+    marked_piece.ds_numel = piece_numel
+    marked.ds_tensor, marked.ds_active_sub_modules = piece, users
+    marked.partition_numel = _PartitionNumel(piece_numel)
 
 
 def show_status(param: torch.nn.Parameter, status: ZeroParamStatus) -> None:
-    param.ds_status = status
+    marked: Any = param  # (a DeepSpeed marker: see ``mark_partitioned``)
+    marked.ds_status = status

@@ -96,9 +96,11 @@ def save_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], path:
             if rank != 0:
                 continue
             if streaming:
+                assert handle is not None  # (rank 0 opened it)
                 handle.seek(data_start + ranges[key][0])
-                # a copy: sharing the gathered buffer with numpy would pin its storage (no more release)
-                handle.write(tensor.reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())
+                # a copy: sharing the gathered buffer with numpy would pin its storage (no more release); an
+                # ndarray is a buffer, which numpy's stubs declare only for Python >= 3.12
+                handle.write(tensor.reshape(-1).to("cpu", copy=True).view(torch.uint8).numpy())  # type: ignore[arg-type]
             else:
                 collected[key] = tensor.clone().cpu()
     finally:

@@ -325,8 +325,8 @@ class UnitScheduler:
             self._reduce(unit)
         while self._reducing:
             self._retire(self._reducing.popleft())
-        if trainable := [u for u in self.units if u.grad_shard is not None]:
-            streams_for(trainable[0].grad_shard.device).join("reduce")  # the step reads the reduced gradients
+        if shards := [u.grad_shard for u in self.units if u.grad_shard is not None]:
+            streams_for(shards[0].device).join("reduce")  # the step reads the reduced gradients
         for unit in self.units:
             unit.reduced = False
             if not unit.persistent:
@@ -344,7 +344,7 @@ class UnitScheduler:
         if group is None or dist.get_world_size(group) == 1:
             return [u for u in trainable if id(u) in self._late]
         flags = torch.tensor([int(id(u) in self._late) for u in trainable], dtype=torch.int32,
-                             device=trainable[0].grad_shard.device)
+                             device=trainable[0].gradient_shard().device)
         comm.all_reduce(flags, group, op=dist.ReduceOp.MAX)
         return [u for u, flag in zip(trainable, flags.tolist()) if flag]
 

@@ -125,12 +125,21 @@ class FlatSegment:
     @property
     def can_swap_in(self) -> bool:
         """Whether the shard is in memory or a swap buffer is free for it (prefetch asks before gathering)."""
-        return self._local_resident or self._swap[2] is None or self._swap[2].free_count > 0
+        if self._local_resident:
+            return True
+        pool = self._swapped_to()[2]
+        return pool is None or pool.free_count > 0
+
+    def _swapped_to(self) -> tuple[Any, str, Any]:
+        """(SwapStore, file name, buffer pool) of a shard in a swap file: a shard that is not resident is one."""
+        if self._swap is None:
+            raise RuntimeError("the parameter shard is not in a swap file (offload_param: nvme), so it is resident")
+        return self._swap
 
     def make_resident(self) -> torch.Tensor:
         """The shard in memory (read from its swap file if swapped out); it stays until ``store_local``."""
         if not self._local_resident:
-            store, name, pool = self._swap
+            store, name, pool = self._swapped_to()
             if pool is None:
                 self.local.untyped_storage().resize_(self._local_bytes)
             else:
@@ -139,7 +148,7 @@ class FlatSegment:
                 except RuntimeError as error:
                     raise RuntimeError(f"{error} (zero_optimization.offload_param.buffer_count: the shards in use at "
                                        "once, gathered and prefetched units included)") from error
-                self.local.set_(self._buffer)
+                self.local.set_(self._buffer)  # type: ignore[arg-type]  # (torch's stubs lack set_(Tensor))
             store.read(name, self.local).wait()
             self._local_resident = True
             self._point_pieces()
@@ -166,7 +175,7 @@ class FlatSegment:
         if pool is None:
             self.local.untyped_storage().resize_(0)
         else:  # the tensor object stays (empty until the next read), and the buffer goes back
-            self.local.set_(self.local.new_empty(0))
+            self.local.set_(self.local.new_empty(0))  # type: ignore[call-overload]  # (stubs lack set_(Tensor))
             if self._buffer is not None:
                 pool.release(self._buffer)
                 self._buffer = None
@@ -226,8 +235,10 @@ class FlatSegment:
         if self.gathered:
             return
         self.start_gather()
+        pending = self._pending
+        assert pending is not None  # (start_gather launched it: the segment is not gathered)
         with phase("gather"):
-            self._pending.wait()  # NCCL: the computation's stream waits for this gather, not the host
+            pending.wait()  # NCCL: the computation's stream waits for this gather, not the host
         self._pending = None
         self._drop_local()  # the swap file still holds it: the gather did not change it
         for sharded in self.sharded:

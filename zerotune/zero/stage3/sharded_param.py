@@ -117,7 +117,7 @@ class ShardedParam:
         """Point ``piece`` at this rank's range in the segment's shard, or at nothing while the shard is in its
         swap file; the segment calls it whenever the shard's storage changes (``piece`` stays one object)."""
         if not self.segment.resident:
-            self.piece.set_()
+            self.piece.set_()  # type: ignore[call-overload]  # (torch's stubs lack set_(): empty storage)
             return
         local = self.segment.local
         self.piece.set_(local.untyped_storage(), local.storage_offset() + self._at, (self._range[1] - self._range[0],),

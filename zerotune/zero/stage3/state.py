@@ -11,7 +11,8 @@ all-gather after the step: the next forward gathers each unit as it needs it.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from functools import partial
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,7 @@ from zerotune.zero.stage3.unit import ParamUnit
 
 def _group_ranges(unit: ParamUnit, group_of: dict[int, int], n_groups: int) -> list[tuple[int, int]]:
     """Per optimizer group, the ``[lo, hi)`` of this rank's trainable shard that holds it (maybe empty)."""
-    segment = unit.trainable
+    segment = unit.trainable_segment()
     start, end = segment.layout.owned_range(segment.rank)
     ranges = []
     for g in range(n_groups):
@@ -80,9 +81,9 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
                     self.masters.append(torch.nn.Parameter(flat[lo:hi]))
             if self.separate:
                 slots = range(first, len(self._slots))
-                writers = [lambda lo, values, slot=i: self._write_shard(slot, lo, values) for i in slots]
+                writers = [partial(self._write_shard, i) for i in slots]
                 self._placement.adopt(self.masters[first:], writers)
-                unit.trainable.on_local_changed.append(lambda u=unit: self._refresh_masters(u))
+                unit.trainable.on_local_changed.append(partial(self._refresh_masters, unit))
             if self._placement.resident:  # (else the values live in the placement's files)
                 self.master_flats[id(unit)] = flat
         unit.cast_(self.policy.param_dtype)
@@ -104,7 +105,7 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
         def stage(unit: ParamUnit) -> None:
             for index in slots_of.get(id(unit), []):
                 _, _, lo, hi = self._slots[index]
-                self._placement.stage(index, 0, unit.grad_shard[lo:hi])
+                self._placement.stage(index, 0, unit.gradient_shard()[lo:hi])
         self._grad_sync = make_scheduler(stage)
 
     def release_gathered(self) -> None:
@@ -124,11 +125,11 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
         """Round ``values`` into master ``slot``'s part of its unit's shard, at offset ``lo``."""
         _, unit, start, _ = self._slots[slot]
         if unit is not None:
-            unit.trainable.write_local_range(start + lo, values)
+            unit.trainable_segment().write_local_range(start + lo, values)
 
     @torch.no_grad()
     def _refresh_masters(self, unit: ParamUnit) -> None:
-        local = unit.trainable.read_local()
+        local = unit.trainable_segment().read_local()
         if self._placement.resident:
             self.master_flats[id(unit)].copy_(local)
             return
@@ -142,12 +143,12 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
 
     def master_pieces(self) -> list[list[HeldPiece]]:
         """Master i is ``[lo, hi)`` of this rank's shard of its unit's trainable segment (or empty)."""
-        pieces = []
+        pieces: list[list[HeldPiece]] = []
         for _, unit, lo, hi in self._slots:
             if unit is None:
                 pieces.append([])
                 continue
-            segment = unit.trainable
+            segment = unit.trainable_segment()
             start = segment.layout.owned_range(segment.rank)[0]
             pieces.append(layout_pieces(segment.params, segment.layout, start + lo, start + hi))
         return pieces
@@ -175,14 +176,17 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
 
     def master_grads(self) -> list[torch.Tensor]:
         """Each master's part of its unit's reduced gradient shard, in the model dtype (complete after backward)."""
-        return [unit.grad_shard[lo:hi] if unit is not None else master.new_zeros(0)
+        return [unit.gradient_shard()[lo:hi] if unit is not None else master.new_zeros(0)
                 for (_, unit, lo, hi), master in zip(self._slots, self.masters)]
 
     def write_weight(self, param: torch.Tensor, lo: int, values: torch.Tensor) -> None:
         """Round the elements of ``[lo, lo + n)`` that lie in this rank's shard into it (in memory or its swap file);
         a gathered copy is released, to be gathered with the new values when next used."""
         sharded = sharded_param_of(param)
-        segment = sharded.segment
+        if sharded is None:
+            raise ValueError(f"a parameter of shape {tuple(param.shape)} is not partitioned by ZeRO stage 3: "
+                             "its values cannot be written into a shard")
+        segment = cast(FlatSegment, sharded.segment)  # (a sharded parameter's segment is the FlatSegment that made it)
         start, end = segment.layout.owned_range(segment.rank)
         first, last = max(start, sharded.offset + lo), min(end, sharded.offset + lo + values.numel())
         if first < last:
@@ -225,7 +229,7 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
                 lo, hi, _ = sharded.local_piece()
                 start = unit.trainable.layout.owned_range(unit.trainable.rank)[0]
                 begin = sharded.offset + lo - start
-                if hi > lo and not torch.isfinite(unit.grad_shard[begin:begin + hi - lo]).all():
+                if hi > lo and not torch.isfinite(unit.gradient_shard()[begin:begin + hi - lo]).all():
                     local = names.get(id(sharded.param), "<unnamed>")
                     break
         found = [str(name) for name in comm.all_gather_object(local, self.group) if name]

@@ -84,9 +84,12 @@ class ParamUnit:
         """Small units stay gathered between uses (re-gathered once per optimizer step)."""
         self.is_root = is_root
         """The root unit stays gathered from its forward to the end of backward (used first and last)."""
-        kept = {"local_device": shard_device, "pin_memory": pin_memory, "persistent": persistent}
-        self.trainable = FlatSegment(trainable, group, **kept) if trainable else None
-        self.frozen = FlatSegment(frozen, group, **kept) if frozen else None
+        def segment(params: Sequence[torch.nn.Parameter]) -> FlatSegment | None:
+            return (FlatSegment(params, group, local_device=shard_device, pin_memory=pin_memory, persistent=persistent)
+                    if params else None)
+
+        self.trainable = segment(trainable)
+        self.frozen = segment(frozen)
         self.segments = [s for s in (self.trainable, self.frozen) if s is not None]
         self.grad_shard: torch.Tensor | None = None
         self.buffers = buffers or BufferPool(capacity_numel=0)
@@ -121,6 +124,18 @@ class ParamUnit:
         """Whether gathering now needs no swap buffer that is not free (offload_param: nvme)."""
         return all(segment.can_swap_in for segment in self.segments if segment.swapped)
 
+    def trainable_segment(self) -> FlatSegment:
+        """The trainable segment (only a unit with trainable parameters has gradients to reduce)."""
+        if self.trainable is None:
+            raise RuntimeError(f"unit {self.name!r} holds no trainable parameter: it has no gradient to reduce")
+        return self.trainable
+
+    def gradient_shard(self) -> torch.Tensor:
+        """``grad_shard``, which a unit with trainable parameters has once ``cast_`` ran."""
+        if self.grad_shard is None:
+            raise RuntimeError(f"unit {self.name!r} has no gradient shard (no trainable parameter, or not cast yet)")
+        return self.grad_shard
+
     def cast_(self, dtype: torch.dtype) -> None:
         for segment in self.segments:
             segment.cast_(dtype)
@@ -149,10 +164,13 @@ class ParamUnit:
     @torch.no_grad()
     def add_grad(self, param: torch.nn.Parameter) -> bool:
         """Move ``param.grad`` into the unit's flat gradient; True once every trainable parameter reported."""
+        grad = param.grad
+        assert grad is not None  # (called by the post-accumulate-grad hook: autograd has written it)
         if self._grad_full is None:
-            self._grad_full = self.buffers.take(self.trainable.layout.padded, self.trainable.local, zero=True)
+            trainable = self.trainable_segment()
+            self._grad_full = self.buffers.take(trainable.layout.padded, trainable.local, zero=True)
         offset, numel = self._offset_of[id(param)]
-        self._grad_full[offset:offset + numel].add_(param.grad.reshape(-1))
+        self._grad_full[offset:offset + numel].add_(grad.reshape(-1))
         param.grad = None
         self._grads_seen.add(id(param))
         return len(self._grads_seen) == len(self._offset_of)
@@ -160,15 +178,16 @@ class ParamUnit:
     def launch_reduce(self, pre_factor: float, comm_dtype: torch.dtype | None = None) -> None:
         """Reduce-scatter this micro-step's gradient (zeros for parameters that got none); in ``comm_dtype``
         when given (``communication_data_type``)."""
+        trainable = self.trainable_segment()
         full = self._grad_full
         if full is None:
-            full = self.buffers.take(self.trainable.layout.padded, self.trainable.local, zero=True)
+            full = self.buffers.take(trainable.layout.padded, trainable.local, zero=True)
         with phase("reduce"), streams_for(full.device).on("reduce"):  # (behind the backward that wrote ``full``)
             if pre_factor != 1.0:
                 full.div_(pre_factor)
             wire = comm.on_the_wire(full, comm_dtype)
-            out = (self.buffers.take(self.trainable.layout.shard, self.trainable.local, zero=False) if wire is full
-                   else torch.empty(self.trainable.layout.shard, dtype=wire.dtype, device=wire.device))
+            out = (self.buffers.take(trainable.layout.shard, trainable.local, zero=False) if wire is full
+                   else torch.empty(trainable.layout.shard, dtype=wire.dtype, device=wire.device))
             handle = comm.reduce_scatter_tensor(out, wire, self.group, async_op=True)
         self._in_flight = (handle, out, full)
         self._grad_full = None
@@ -182,7 +201,7 @@ class ParamUnit:
         streams = streams_for(out.device)
         with phase("reduce"), streams.on("reduce"):
             handle.wait()
-            self.grad_shard.add_(out, alpha=post_factor)
+            self.gradient_shard().add_(out, alpha=post_factor)
         done = streams.mark("reduce")  # the computation reads grad_shard after joining the reduce stream
         self.buffers.give(full, after=done)
         if out.dtype == full.dtype:  # (a communication_data_type copy is not the pool's)

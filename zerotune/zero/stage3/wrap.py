@@ -10,11 +10,12 @@ another unit's released weights.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Sequence, cast
 
 import torch
 import torch.distributed as dist
 
+from zerotune.zero.stage3.segment import FlatSegment
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 from zerotune.zero.stage3.unit import BufferPool, ParamUnit
 
@@ -78,6 +79,13 @@ def assign_params(model: torch.nn.Module, unit_names: Sequence[str]) -> dict[str
     return assigned
 
 
+def _holds(segment: FlatSegment, param: torch.nn.Parameter) -> bool:
+    """Whether ``param`` is still partitioned by ``segment`` (not yet re-laid out by a new unit)."""
+    sharded = sharded_param_of(param)
+    assert sharded is not None  # (a segment's parameters stay partitioned: by it, or by the unit that took them)
+    return sharded.segment is segment
+
+
 def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
                     trainable_groups: Sequence[Sequence[torch.nn.Parameter]], *,
                     persistence_threshold: int, buffers: BufferPool | None = None,
@@ -99,7 +107,8 @@ def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
     for name, owned in assign_params(model, names).items():
         if not owned and name != ROOT:
             continue
-        previous = {id(s.segment): s.segment for s in map(sharded_param_of, owned) if s is not None}
+        # (a sharded parameter's segment is the FlatSegment that made it)
+        previous = {id(s.segment): cast(FlatSegment, s.segment) for s in map(sharded_param_of, owned) if s is not None}
         for segment in previous.values():  # zero.Init partitions: bring back the full values of this unit only
             segment.finish_gather()
         trainable = sorted((p for p in owned if id(p) in group_of), key=lambda p: group_of[id(p)])
@@ -109,7 +118,7 @@ def partition_model(model: torch.nn.Module, group: dist.ProcessGroup | None,
                                persistent=numel < persistence_threshold, buffers=buffers,
                                shard_device=shard_device, pin_memory=pin_memory))
         for segment in previous.values():
-            if all(sharded_param_of(p).segment is not segment for p in segment.params):
+            if not any(_holds(segment, p) for p in segment.params):
                 segment.discard()
         if on_unit_built is not None:
             on_unit_built(units[-1])
