@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from zerotune.finetune.recipe_sections import TrainSection
+
 METRICS = {"causal-lm": ("loss", "perplexity"), "sequence-classification": ("accuracy", "macro_f1", "loss")}
 DEFAULT_METRIC = {"causal-lm": "loss", "sequence-classification": "accuracy"}
 HIGHER_IS_BETTER = ("accuracy", "macro_f1")
@@ -48,7 +50,7 @@ class BestTracker:
         return asdict(self)
 
 
-def tracker_for(task: str, train: object) -> BestTracker | None:
+def tracker_for(task: str, train: TrainSection) -> BestTracker | None:
     """The recipe's tracker, or None when it asks for neither the best model nor early stopping."""
     if not train.load_best_model_at_end and train.early_stopping_patience is None:
         return None

@@ -94,12 +94,13 @@ def compare(runs: list[MethodRun], metric: str, greater_is_better: bool) -> list
     """One row per method, each figure measured, the percentages against the ``full`` run."""
     full = next((run for run in runs if run.method == "full" and run.error is None), None)
     target = full.evals[-1][1] if full is not None and full.evals else None
-    full_steps = steps_to_reach(full.evals, target, greater_is_better) if target is not None else None
+    full_steps = (steps_to_reach(full.evals, target, greater_is_better)
+                  if full is not None and target is not None else None)
     full_state = _per_rank_max(full.summary, "model_state_mib_per_rank") if full else None
     full_peak = _per_rank_max(full.summary, "peak_memory_mib_per_rank") if full else None
     base = full.summary.get("before") if full else None  # the untouched model's metric (before any step)
     full_gain = (target - base) if target is not None and base is not None else None
-    rows = []
+    rows: list[dict[str, Any]] = []
     for run in runs:
         if run.error is not None:
             rows.append({"method": run.method, "error": run.error})
@@ -115,7 +116,7 @@ def compare(runs: list[MethodRun], metric: str, greater_is_better: bool) -> list
             "convergence_speed_pct_of_full": _percent(full_steps, reached),
             "final_metric": run.evals[-1][1] if run.evals else run.summary.get("after"),
             "improvement_pct_of_full": (_percent(run.evals[-1][1] - base, full_gain)
-                                        if run.evals and full_gain else None),
+                                        if run.evals and full_gain and base is not None else None),
             "best_metric": best[1] if best else None, "best_step": best[0] if best else None,
             "steps": run.summary.get("steps"), "trainable_parameters": run.summary.get("trainable_parameters"),
             "samples_per_s": run.summary.get("samples_per_s"),

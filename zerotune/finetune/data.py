@@ -91,8 +91,8 @@ def load_classification_data(spec: DataSpec) -> tuple[datasets.Dataset, datasets
 
 
 def _load_local_classification(spec: DataSpec) -> tuple[datasets.Dataset, datasets.Dataset, list[str]]:
-    columns = {"text": spec.text_column, "text_pair": spec.text_pair_column, "label": spec.label_column}
-    columns = {canonical: given for canonical, given in columns.items() if given is not None}
+    named = {"text": spec.text_column, "text_pair": spec.text_pair_column, "label": spec.label_column}
+    columns = {canonical: given for canonical, given in named.items() if given is not None}
     rows, sources = _rows(spec, "train")
     train = _select_columns(rows, columns, sources)
     _check_no_missing(train, [c for c in columns if c != "label"], columns, sources)
@@ -187,20 +187,30 @@ def _has_eval(spec: DataSpec) -> bool:
     return bool(spec.eval_files) or bool(spec.dataset and spec.eval_split)
 
 
+def _files(spec: DataSpec, role: str) -> list[str]:
+    """``role``'s local data files."""
+    files = spec.train_files if role == "train" else spec.eval_files
+    if files is None:
+        raise DataError(f"no {role} data files given")  # (as load_files says)
+    return list(files)
+
+
 def _rows_sources(spec: DataSpec, role: str) -> list[str]:
     """What error messages name for ``role``'s rows: the files, or the data set and its split."""
     if spec.dataset:
         return [f"{spec.dataset} [{spec.train_split if role == 'train' else spec.eval_split}]"]
-    return list(spec.train_files if role == "train" else spec.eval_files)
+    return _files(spec, role)
 
 
 def _rows(spec: DataSpec, role: str) -> tuple[datasets.Dataset, list[str]]:
     """``role``'s raw rows (from the files or the data set) and what messages call them."""
     if spec.dataset:
         split = spec.train_split if role == "train" else spec.eval_split
+        if split is None:  # (eval rows are read from a data set only where _has_eval saw its eval_split)
+            raise DataError(f"data.dataset {spec.dataset!r} has no eval split: set data.eval_split")
         return load_dataset_split(spec.dataset, spec.dataset_config, split, role), _rows_sources(spec, role)
-    files = spec.train_files if role == "train" else spec.eval_files
-    return load_files(files, role), list(files)
+    files = _files(spec, role)
+    return load_files(files, role), files
 
 
 def _check_spec(spec: DataSpec, bundled_names: tuple[str, ...]) -> None:
@@ -280,7 +290,7 @@ def _encode_labels(
     return label_names, encoded[0], encoded[1] if evaluation is not None else None
 
 
-def _normalized_labels(dataset: datasets.Dataset, label_column: str, files: Sequence[str]) -> list:
+def _normalized_labels(dataset: datasets.Dataset, label_column: str, files: Sequence[str] | None) -> list:
     """Label values as ints or strs: a CSV with a gap reads ints as floats (1.0)."""
     values = dataset["label"]
     missing = [i for i, v in enumerate(values) if v is None or (isinstance(v, float) and math.isnan(v))]

@@ -47,7 +47,8 @@ class MetricsLog:
 
 def train_loader(dataset: Any, collate: Callable, micro_batch: int, seed: int, rank: int, world: int) -> DataLoader:
     """Shuffled, sharded over data-parallel ranks; its own generator keeps the global RNG untouched."""
-    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler: DistributedSampler[Any] = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                                          seed=seed, drop_last=True)
     return DataLoader(dataset, batch_size=micro_batch, sampler=sampler, collate_fn=collate, drop_last=True,
                       generator=torch.Generator().manual_seed(seed))
 
@@ -128,11 +129,15 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
         raise ValueError("the training set is smaller than one global micro-batch; lower train.micro_batch_size")
     consumed = engine.global_steps * gas  # micro-batches already trained on (after a resume)
     epoch, skip = divmod(consumed, per_epoch)
+    sampler = loader.sampler
+    if not isinstance(sampler, DistributedSampler):
+        raise TypeError(f"the training loader's sampler is a {type(sampler).__name__}; train() takes the loader "
+                        "train_loader() builds (a DistributedSampler, reshuffled each epoch)")
     clock = TrainingClock()
     samples, window_loss, window_steps, step_loss = 0, 0.0, 0, 0.0
     engine.train()
     while engine.global_steps < settings.total_steps:
-        loader.sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)
         for index, batch in enumerate(loader):
             if index < skip:
                 continue
@@ -166,7 +171,7 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
                 if settings.eval_every and step % settings.eval_every == 0 and step < settings.total_steps:
                     result = evaluate_fn()
                     metrics.write({"split": "eval", "step": step, **result})
-                    stop = settings.tracker is not None and _track(engine, settings, step, result)
+                    stop = settings.tracker is not None and _track(engine, settings, settings.tracker, step, result)
                 if not stop and settings.save_every and step % settings.save_every == 0:
                     engine.save_checkpoint(str(settings.checkpoint_dir), client_state=settings.client_state,
                                            exclude_frozen_parameters=settings.exclude_frozen)
@@ -199,9 +204,9 @@ class TrainingClock:
             self._paused += time.perf_counter() - began
 
 
-def _track(engine: Any, settings: LoopSettings, step: int, result: dict) -> bool:
-    """Record an evaluation: the best one's checkpoint is kept; True when early stopping ends the run."""
-    tracker = settings.tracker
+def _track(engine: Any, settings: LoopSettings, tracker: BestTracker, step: int, result: dict) -> bool:
+    """Record an evaluation in ``tracker`` (``settings.tracker``): the best one's checkpoint is kept; True when
+    early stopping ends the run."""
     improved = tracker.update(step, result)
     settings.client_state["best"] = tracker.state()
     if improved and settings.best_dir is not None:

@@ -144,9 +144,10 @@ def apply_method(model: Any, task: str, method: Any) -> Any:
         return model
     if method.type == "freeze":
         return freeze_except(model, task, method.trainable_layers, method.trainable_modules)
-    from peft import LoraConfig, PrefixTuningConfig, TaskType, get_peft_model
+    from peft import LoraConfig, PeftConfig, PrefixTuningConfig, TaskType, get_peft_model
 
     task_type = TaskType.SEQ_CLS if task == "sequence-classification" else TaskType.CAUSAL_LM
+    config: PeftConfig
     if method.type in ("lora", "qlora"):
         targets = method.target_modules or DEFAULT_LORA_TARGETS.get(model.config.model_type)
         if not targets:

@@ -46,7 +46,8 @@ def causal_lm_class(model_path: Any, trust_remote_code: bool = False) -> type | 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path, trust_remote_code=trust_remote_code)
-    return AutoModelForCausalLM._model_mapping.get(type(config), None)
+    found = AutoModelForCausalLM._model_mapping.get(type(config), None)
+    return found if isinstance(found, type) else None  # (a model mapping's values are classes)
 
 
 def prepare_for_packing(model: Any) -> None:

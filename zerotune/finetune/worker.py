@@ -192,6 +192,7 @@ def run(args: argparse.Namespace) -> dict:
         if path is None:
             log_rank0("--resume: no complete checkpoint in %s, starting from scratch", checkpoint_dir, rank=env.rank)
         else:
+            assert client_state is not None  # (None only where no checkpoint was found)
             before = client_state["before"]
             if tracker is not None and client_state.get("best"):
                 tracker = BestTracker(**client_state["best"])
