@@ -51,7 +51,8 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     if config is not None and config_params is not None:
         raise ConfigError("", "pass the config once: both config= and config_params= were given")
     if from_args is not None and given:
-        raise ConfigError("", f"two configs given: --deepspeed_config {from_args} and config= in initialize(); keep one")
+        raise ConfigError("", f"two configs given: --deepspeed_config {from_args} and config= in initialize(); "
+                              "keep one")
     source = from_args if from_args is not None else (given[0] if given else None)
     if source is None:
         raise ConfigError("", "no config: pass config= (dict or JSON/YAML path) or args with --deepspeed_config")
@@ -93,11 +94,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if cfg.checkpoint.auto_resume:
         path, _ = engine.resume_newest_checkpoint()
         restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        log_rank0("checkpoint.auto_resume: %s (launcher restart %s)", f"resumed from {path} at step {engine.global_steps}"
-                  if path else f"no checkpoint in {cfg.checkpoint.save_dir}, starting fresh", restart, rank=env.rank)
+        outcome = (f"resumed from {path} at step {engine.global_steps}" if path
+                   else f"no checkpoint in {cfg.checkpoint.save_dir}, starting fresh")
+        log_rank0("checkpoint.auto_resume: %s (launcher restart %s)", outcome, restart, rank=env.rank)
     mesh = setup.mesh
-    log_rank0("zerotune engine: world %d (dp %d x sp %d x tp %d), ZeRO stage %d, %s, micro-batch %d x GAS %d = batch %d",
-              env.world_size, mesh.size("dp"), mesh.size("sp"), mesh.size("tp"), cfg.zero_optimization.stage,
-              setup.policy.name, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps,
-              cfg.train_batch_size, rank=env.rank)
+    log_rank0("zerotune engine: world %d (dp %d x sp %d x tp %d), ZeRO stage %d, %s, "
+              "micro-batch %d x GAS %d = batch %d", env.world_size, mesh.size("dp"), mesh.size("sp"),
+              mesh.size("tp"), cfg.zero_optimization.stage, setup.policy.name,
+              cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps, cfg.train_batch_size,
+              rank=env.rank)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

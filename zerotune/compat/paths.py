@@ -75,8 +75,9 @@ _MODULE_INJECT_REFUSED = {
 DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed": Mapped("zerotune.compat.deepspeed", (
         "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
-        "PipelineEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "zero", "comm", "checkpointing", "pipe", "ops", "accelerator",
-        "utils", "runtime", "get_accelerator", "__version__", "__version_major__", "__version_minor__", "__version_patch__",
+        "PipelineEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "zero", "comm", "checkpointing", "pipe", "ops",
+        "accelerator", "utils", "runtime", "get_accelerator", "__version__", "__version_major__", "__version_minor__",
+        "__version_patch__",
         "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "InferenceEngine",
         "DeepSpeedInferenceConfig")),
     "deepspeed.comm": Mapped("zerotune.comm", _COMM),
@@ -159,7 +160,8 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
         "ZeroStageEnum")),
     "deepspeed.runtime.zero.stage_1_and_2": Mapped("zerotune.compat.stage_1_and_2", (
-        "DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs", "estimate_zero2_model_states_mem_needs_all_live",
+        "DeepSpeedZeroOptimizer", "estimate_zero2_model_states_mem_needs",
+        "estimate_zero2_model_states_mem_needs_all_live",
         "estimate_zero2_model_states_mem_needs_all_cold", "model_to_params")),
     "deepspeed.runtime.zero.stage3": Mapped("zerotune.compat.stage3", (
         "DeepSpeedZeroOptimizer_Stage3", "estimate_zero3_model_states_mem_needs",
@@ -173,7 +175,8 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     # init_inference on zerotune's AutoTP (zerotune/inference/); kernel injection refused by name
     "deepspeed.inference": Mapped("zerotune.compat.inference", ("InferenceEngine", "DeepSpeedInferenceConfig")),
     "deepspeed.inference.engine": Mapped("zerotune.inference.engine", ("InferenceEngine",)),
-    "deepspeed.inference.config": Mapped("zerotune.compat.inference", ("DeepSpeedInferenceConfig", "DeepSpeedTPConfig")),
+    "deepspeed.inference.config": Mapped("zerotune.compat.inference",
+                                         ("DeepSpeedInferenceConfig", "DeepSpeedTPConfig")),
     "deepspeed.module_inject": Mapped("zerotune.compat.module_inject", ("AutoTP", *_MODULE_INJECT_REFUSED)),
     "deepspeed.module_inject.auto_tp": Mapped("zerotune.compat.module_inject", ("AutoTP",)),
     # the dotted-path helpers DeepSpeed-Chat's LoRA imports; the compression library itself refused
@@ -185,7 +188,8 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.compile": "DeepCompile's graph passes (deepspeed.compile; engine.compile() runs torch.compile)",
     "deepspeed.inference.v2": "DeepSpeed-FastGen (inference v2: ragged batching and its kernels)",
     "deepspeed.module_inject.replace_module": _KERNEL_INJECTION,
-    "deepspeed.module_inject.layers": "DeepSpeed's inference tensor-parallel layers (zerotune's: zerotune.parallel.tensor)",
+    "deepspeed.module_inject.layers": ("DeepSpeed's inference tensor-parallel layers (zerotune's: "
+                                       "zerotune.parallel.tensor)"),
     "deepspeed.module_inject.containers": _KERNEL_INJECTION,
     "deepspeed.model_implementations": "the fused inference kernels' model implementations",
     "deepspeed.moe.experts": "Mixture-of-Experts layers (deepspeed.moe)",

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm
 
-
 SPARSE_COUNTER = "sparse_all_gather"  # the comm-statistics entry of compressed gradient exchanges
 GRADIENT_OPS = ("all_reduce", "reduce_scatter", "reduce", SPARSE_COUNTER)  # every gradient reduction's counter
 

@@ -70,7 +70,8 @@ def _int_env(name: str) -> int | None:
 
 
 def first_slurm_host(nodelist: str) -> str:
-    """First host name of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``, ``rack[1-2]-n[01-04]`` -> ``rack1-n01``."""
+    """First host name of a SLURM node list: ``node[03-05,9],gpu1`` -> ``node03``,
+    ``rack[1-2]-n[01-04]`` -> ``rack1-n01``."""
     first, depth = "", 0
     for char in nodelist.strip():  # the first top-level comma ends the first host expression
         depth += char == "["

@@ -17,7 +17,6 @@ module globals.
 from __future__ import annotations
 
 import weakref
-
 from dataclasses import dataclass
 
 import torch.distributed as dist
