@@ -7,6 +7,7 @@ its import changed to ``import zerotune as deepspeed``.
 
 from zerotune import checkpointing, comm, zero
 from zerotune.compat.alias import install_deepspeed_alias, install_zerotune_deepspeed_paths, uninstall_deepspeed_alias
+from zerotune.compat.spellings import install_spellings
 from zerotune.distributed.env import init_distributed
 from zerotune.engine import Engine
 from zerotune.inference import init_inference
@@ -14,6 +15,7 @@ from zerotune.initialize import add_config_arguments, initialize
 
 __version__ = "0.1.0"
 install_zerotune_deepspeed_paths()  # ``import zerotune.runtime.pipe.engine`` etc., as DeepSpeed's paths
+install_spellings()  # DeepSpeedEngine.initialize(...), PipelineEngine(model, config=...)
 DeepSpeedEngine = Engine  # the name DeepSpeed scripts use in isinstance checks and type hints
 
 __all__ = ["initialize", "init_inference", "zero", "checkpointing", "init_distributed", "add_config_arguments", "comm",

@@ -42,13 +42,6 @@ class Engine(EngineCompile, EngineCore):
         self._step_calls = 0  # engine.step() calls: the micro-steps this engine has run (never rewound)
         self._guarded_at = -1  # one collective-guard point per micro-step, before its first collective
 
-    @staticmethod
-    def initialize(*args: Any, **kwargs: Any) -> tuple["Engine", Any, Any, Any]:
-        """``DeepSpeedEngine.initialize(...)`` (the seed guide's spelling) is ``zerotune.initialize(...)``."""
-        from zerotune.initialize import initialize
-
-        return initialize(*args, **kwargs)
-
     # ---- one micro-step ------------------------------------------------------------------
     @EngineGuards.method
     def forward(self, *args: Any, **kwargs: Any) -> Any:

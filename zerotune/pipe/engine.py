@@ -56,17 +56,29 @@ def default_batch_fn(batch: Any) -> tuple[Any, Any]:
                     f"engine.set_batch_fn(fn) to convert your batches, got {type(batch).__name__}")
 
 
-class _BuiltFromAModel(type(EngineCore)):
-    """``PipelineEngine(model, config=...)`` (the seed guide's spelling) builds the engine through
-    ``zerotune.initialize``; ``initialize`` itself constructs it with keyword arguments only."""
+ModelBuilder = Callable[..., Any]
+"""``builder(model, **kwargs) -> engine``: what ``PipelineEngine(model, **kwargs)`` calls (``set_model_builder``)."""
+_model_builder: ModelBuilder | None = None
+
+
+def set_model_builder(builder: ModelBuilder) -> None:
+    """Let ``PipelineEngine(model, **kwargs)`` build an engine from a model: the DeepSpeed spelling, installed by
+    ``zerotune/compat/spellings.py`` over ``zerotune.initialize`` (the core does not import ``initialize``)."""
+    global _model_builder
+    _model_builder = builder
+
+
+class _BuiltFromAModel(type(EngineCore)):  # type: ignore[misc]
+    """A call with a model as its first argument goes to the registered builder; the engine's own construction
+    (``initialize``'s) passes keyword arguments only."""
 
     def __call__(cls, *args: Any, **kwargs: Any) -> Any:
         if args and isinstance(args[0], torch.nn.Module):
-            from zerotune.initialize import initialize
-
+            if _model_builder is None:
+                raise TypeError("PipelineEngine(model, ...) builds through zerotune.initialize: import zerotune first")
             if len(args) > 1:
                 raise TypeError("PipelineEngine(model, config=...): pass everything but the model by keyword")
-            engine = initialize(model=args[0], **kwargs)[0]
+            engine = _model_builder(args[0], **kwargs)
             if not isinstance(engine, cls):
                 raise ValueError("PipelineEngine(model, config=...) needs a pipelined model: a PipelineModule, or a "
                                  "Hugging Face model with \"pipeline\": {\"stages\": N} (N > 1) in the config")
