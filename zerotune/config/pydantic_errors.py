@@ -14,6 +14,7 @@ from itertools import islice
 from typing import Any
 
 from pydantic import ValidationError
+from pydantic_core import ErrorDetails
 
 from .errors import ConfigError
 
@@ -22,7 +23,7 @@ _AUTO_TAG = "literal['auto']"
 
 def translate(exc: ValidationError, raw: Mapping[str, Any], prefix: str = "") -> ConfigError:
     """The first problem of ``exc`` as a ConfigError naming its dotted key path."""
-    by_path: dict[str, list[dict[str, Any]]] = {}
+    by_path: dict[str, list[ErrorDetails]] = {}
     for error in exc.errors(include_url=False):
         path, _ = _key_path(error["loc"], raw, missing=error["type"] == "missing")
         full = ".".join(p for p in (prefix, path) if p)
@@ -50,7 +51,7 @@ def _key_path(loc: tuple[Any, ...], raw: Any, *, missing: bool) -> tuple[str, An
     return ".".join(parts), node
 
 
-def _describe(errors: list[dict[str, Any]]) -> str:
+def _describe(errors: list[ErrorDetails]) -> str:
     if errors[0]["type"] == "missing":
         return "required key is missing"
     auto_allowed = any(_AUTO_TAG in map(str, e["loc"]) for e in errors)
@@ -62,7 +63,7 @@ def _describe(errors: list[dict[str, Any]]) -> str:
     return f"invalid value {show_value(error['input'])}: {text}"
 
 
-def _message(error: dict[str, Any]) -> str:
+def _message(error: ErrorDetails) -> str:
     kind = error["type"]
     if kind in ("model_type", "model_attributes_type", "dict_type"):
         return "expected a mapping (JSON object)"

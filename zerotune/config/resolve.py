@@ -78,7 +78,8 @@ def _resolve_batch(
         if strict:
             raise ConfigError(autos[0], UNRESOLVED)
         return
-    solved = solve_batch(*members, dp_world_size)
+    train_batch, micro_batch, grad_accum = members
+    solved = solve_batch(train_batch, micro_batch, grad_accum, dp_world_size)
     for key, value in zip(BATCH_KEYS, solved):
         if data[key] != value:
             data[key] = value

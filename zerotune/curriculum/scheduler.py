@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import Any, Callable
 
 from zerotune.config.curriculum_section import SCHEDULE_KEYS, validated_schedule
+from zerotune.config.errors import ConfigError
 
 
 class CurriculumScheduler:
@@ -36,6 +37,10 @@ class CurriculumScheduler:
     def __init__(self, config: Mapping[str, Any]) -> None:
         schedule = validated_schedule(config, "CurriculumScheduler(config)")
         kind = schedule.schedule_type
+        if kind is None:
+            raise ConfigError("CurriculumScheduler(config).schedule_type",
+                              "required key is missing (a curriculum needs min_difficulty, max_difficulty and "
+                              "schedule_type)")
         self.state: dict[str, Any] = {
             "min_difficulty": schedule.min_difficulty,
             "max_difficulty": schedule.max_difficulty,

@@ -23,7 +23,7 @@ module's, so the engine can stand in for the model inside a transformers pipelin
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -56,7 +56,11 @@ class InferenceEngine(nn.Module):
                              "weights (e.g. from_pretrained) first: init_inference splits the weights it is given")
         model.to(config.dtype)
         model.eval()
-        self.sharded = _split(model, config, self.mp_group, env) if self.mp_world_size > 1 else []
+        self.sharded: list = []
+        if self.mp_world_size > 1:
+            if self.mp_group is None:  # (_tp_group gives a group for every tp_size > 1)
+                raise RuntimeError(f"init_inference: no process group for tensor parallel size {self.mp_world_size}")
+            self.sharded = _split(model, config, self.mp_group, env)
         if not config.keep_module_on_host:
             model.to(env.device)
         self._times: list[float] | None = None
@@ -96,8 +100,9 @@ class InferenceEngine(nn.Module):
         if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and prompt.shape[-1] > self._config.max_out_tokens:
             raise RuntimeError(f"init_inference: the prompt has {prompt.shape[-1]} tokens, more than max_out_tokens="
                                f"{self._config.max_out_tokens}; raise max_out_tokens (max_tokens) in the config")
-        if hasattr(self.module, "reset_cache"):
-            self.module.reset_cache()
+        reset_cache = getattr(self.module, "reset_cache", None)  # (a model's own method: no type declares it)
+        if reset_cache is not None:
+            reset_cache()
         return generate(*inputs, **kwargs)
 
     def profile_model_time(self, use_cuda_events: bool = True) -> None:
@@ -181,7 +186,8 @@ def _split(model: nn.Module, config: InferenceConfig, group: torch.distributed.P
 
 def _share_rng_state(group: torch.distributed.ProcessGroup, device: torch.device) -> None:
     """The group's rank 0 RNG states everywhere in the group, so sampling picks the same tokens on every rank."""
-    states = [(torch.get_rng_state, torch.set_rng_state)]
+    states: list[tuple[Callable[[], torch.Tensor], Callable[[torch.Tensor], None]]] = [
+        (torch.get_rng_state, torch.set_rng_state)]
     if device.type == "cuda":
         states.append((lambda: torch.cuda.get_rng_state(device), lambda s: torch.cuda.set_rng_state(s, device)))
     through_device = torch.distributed.get_backend(group) == "nccl"

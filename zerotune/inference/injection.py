@@ -37,7 +37,8 @@ def _ends_with(name: str, suffix: str) -> bool:
 def rules_from_injection_policy(model: nn.Module, policy: dict) -> tuple[LayerRule, ...]:
     """One rule per linear inside each block the policy names: row if its name ends with a listed name,
     else column (with the built-in plan's fused parts where it has a column rule for that weight)."""
-    builtin = PLANS.get(getattr(getattr(model, "config", None), "model_type", None))
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    builtin = PLANS.get(model_type) if model_type is not None else None
     names_in_model = [name for name, _ in model.named_modules()]
     rules: list[LayerRule] = []
     for block, row_names in policy.items():

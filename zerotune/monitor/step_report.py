@@ -121,9 +121,10 @@ class StepReporter:
             parts.append(f"{self._samples / elapsed_s:.1f} samples/s")
         if self._skipped:
             parts.append(self._skipped_summary(loss_scale))
-        means = self.timers.window_means_ms(reset=True) if self.timers is not None else {}
-        if means:
-            parts.append(self.timers.format(means))
+        timers = self.timers
+        means = timers.window_means_ms(reset=True) if timers is not None else {}
+        if timers is not None and means:
+            parts.append(timers.format(means))
             if self.writers is not None:
                 self.writers.write(step, {f"{SCALAR_PREFIX}elapsed_time_ms_{name}": ms for name, ms in means.items()})
         get_logger().info(" | ".join(parts))

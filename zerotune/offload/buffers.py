@@ -61,7 +61,8 @@ def tensor_memoryview(tensor: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     exporter = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
-    exporter.owner = tensor  # from_address alone would not keep the tensor alive
+    # from_address alone would not keep the tensor alive (a ctypes instance takes attributes; no type declares it)
+    exporter.owner = tensor  # type: ignore[attr-defined]
     return memoryview(exporter).cast("B")
 
 

@@ -76,7 +76,7 @@ class NvmePlacement(MasterPlacement):
         self.chunks: list[_Chunk] = []
         self.writers: list[ShardWriter] = []
         self.state_keys: list[str] = []  # tensor state per parameter (exp_avg, ...), known after the first step
-        self._grads: list[torch.Tensor] = []
+        self._model_grads: list[torch.Tensor] = []
         self._coefficient = 1.0
         self._allocated: set[str] = set()
 
@@ -111,7 +111,7 @@ class NvmePlacement(MasterPlacement):
     def attach(self, masters: Sequence[torch.nn.Parameter], grads: Sequence[torch.Tensor], coefficient: float) -> None:
         """Keep the gradients (model dtype) and the coefficient: each chunk's fp32 gradient is made in the step
         (the same fp32 copy and multiply as without offload), so no full fp32 gradient is ever held."""
-        self._grads = [g.reshape(-1) for g in grads]
+        self._model_grads = [g.reshape(-1) for g in grads]
         self._coefficient = coefficient
 
     def refresh(self, master_index: int, values: torch.Tensor) -> None:
@@ -125,16 +125,21 @@ class NvmePlacement(MasterPlacement):
     def _load(self, chunk: _Chunk) -> tuple[dict[str, torch.Tensor], list[SwapHandle]]:
         buffers, handles = {}, []
         for key in ["master", *(self.state_keys if chunk.has_state else [])]:
-            buffers[key] = self.pool.acquire(chunk.numel)
+            buffers[key] = self._buffer_pool().acquire(chunk.numel)
             handles.append(self.store.read(f"{chunk.name}_{key}", buffers[key]))
         return buffers, handles
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def _buffer_pool(self) -> BufferPool:
+        """The buffers chunks are stepped in, made at the first step (each the size of the largest chunk)."""
         if self.pool is None:
             self.pool = BufferPool(self.buffer_count, max((c.numel for c in self.chunks), default=1) or 1)
+        return self.pool
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        pool = self._buffer_pool()
         needed = 1 + len(self.state_keys)
-        if self.pool.buffer_count < needed:
-            raise SwapFileError(f"offload_optimizer.buffer_count is {self.pool.buffer_count}; this optimizer keeps "
+        if pool.buffer_count < needed:
+            raise SwapFileError(f"offload_optimizer.buffer_count is {pool.buffer_count}; this optimizer keeps "
                                 f"{len(self.state_keys)} state tensor(s) per parameter, so at least {needed} are "
                                 "needed")
         writes: deque[tuple[list[SwapHandle], list[torch.Tensor], list[torch.Tensor]]] = deque()
@@ -144,20 +149,21 @@ class NvmePlacement(MasterPlacement):
             for handle in handles:
                 handle.wait()
             for buffer in pooled:
-                self.pool.release(buffer)
+                pool.release(buffer)
 
         def make_room() -> None:
-            while writes and self.pool.free_count < needed:
+            while writes and pool.free_count < needed:
                 retire_oldest()
 
         make_room()
         upcoming = self._load(self.chunks[0]) if self.chunks else None
         for i, chunk in enumerate(self.chunks):
+            assert upcoming is not None  # (read ahead, or after the previous chunk)
             buffers, reads = upcoming
             for handle in reads:
                 handle.wait()
             upcoming = None
-            if i + 1 < len(self.chunks) and self.pool.free_count >= 2 * needed:
+            if i + 1 < len(self.chunks) and pool.free_count >= 2 * needed:
                 upcoming = self._load(self.chunks[i + 1])  # read ahead while this chunk steps
             with step_threads(self.step_threads or torch.get_num_threads()):
                 self._step_chunk(optimizer, chunk, buffers)
@@ -173,7 +179,7 @@ class NvmePlacement(MasterPlacement):
     def _step_chunk(self, optimizer: torch.optim.Optimizer, chunk: _Chunk, buffers: dict[str, torch.Tensor]) -> None:
         proxy = chunk.proxy
         proxy.data = buffers["master"]
-        grad = self._grads[chunk.master][chunk.lo:chunk.hi].float()  # bf16: a copy; fp32: the shard itself
+        grad = self._model_grads[chunk.master][chunk.lo:chunk.hi].float()  # bf16: a copy; fp32: the shard itself
         if self._coefficient != 1.0:
             grad.mul_(self._coefficient)  # the plain path's multiply, on this chunk only
         proxy.grad = grad

@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -74,6 +74,12 @@ class Lamb(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.lamb_coeffs: list[float] = []
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
         loss = None
@@ -98,7 +104,7 @@ class Lamb(torch.optim.Optimizer):
     def _update_bucket(self, group: dict[str, Any], params: list[torch.Tensor]) -> torch.Tensor:
         """Apply one LAMB step to ``params`` (same device and dtype); return their trust ratios."""
         beta1, beta2 = group["betas"]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]  # (``step`` buckets only parameters with one)
         exp_avgs, exp_avg_sqs, step_sizes = [], [], []
         for p in params:
             state = self.state[p]

@@ -77,7 +77,7 @@ def build_optimizer(opt_type: str, params: Mapping[str, Any], param_groups: Iter
         raise ValueError("build_optimizer got no parameters to optimize (param_groups is empty)")
     if _can_fuse(optimizer_class, kwargs, groups):
         try:
-            return optimizer_class(groups, **kwargs, fused=True)
+            return optimizer_class(groups, **{**kwargs, "fused": True})
         except (RuntimeError, ValueError, TypeError):
             pass  # an unusual setting the fused kernel refuses: the default implementation takes it
     try:
@@ -206,7 +206,7 @@ def _optimizer_class(canonical: str) -> type[torch.optim.Optimizer]:
     return {"Lamb": Lamb, "OneBitAdam": OneBitAdam}.get(canonical) or getattr(torch.optim, canonical)
 
 
-def _constructor_parameters(optimizer_class: type) -> dict[str, inspect.Parameter]:
+def _constructor_parameters(optimizer_class: type[torch.optim.Optimizer]) -> dict[str, inspect.Parameter]:
     """Keyword parameters of an optimizer's constructor, without ``self`` and ``params``."""
     signature = inspect.signature(optimizer_class.__init__)
     return {name: p for name, p in signature.parameters.items() if name not in ("self", "params")}

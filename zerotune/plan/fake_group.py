@@ -19,7 +19,9 @@ BACKEND = "fake"
 def _create(common_options, backend_options):
     from torch._C._distributed_c10d import FakeProcessGroup
 
-    return FakeProcessGroup._create_internal(common_options.group_rank, common_options.group_size, backend_options)
+    # (torch's stub declares _create_internal(rank, world_size); it takes the backend options too)
+    return FakeProcessGroup._create_internal(  # type: ignore[call-arg]
+        common_options.group_rank, common_options.group_size, backend_options)
 
 
 @contextmanager
@@ -32,6 +34,8 @@ def fake_world(size: int) -> Iterator[dist.ProcessGroup]:
         dist.Backend.register_backend(BACKEND, _create, extended_api=True, devices=["cpu", "cuda"])
     dist.init_process_group(BACKEND, store=dist.HashStore(), rank=0, world_size=size)
     try:
-        yield dist.group.WORLD
+        world = dist.group.WORLD
+        assert world is not None  # (init_process_group made it)
+        yield world
     finally:
         dist.destroy_process_group()

@@ -54,13 +54,17 @@ class MasterWeights:
     def copy_to_model(self) -> None:
         """Round the updated fp32 masters into the model's low-precision parameters."""
         if self.policy.mixed:
-            torch._foreach_copy_(self.params, self.masters)
+            params: list[torch.Tensor] = [*self.params]
+            masters: list[torch.Tensor] = [*self.masters]
+            torch._foreach_copy_(params, masters)
 
     @torch.no_grad()
     def copy_from_model(self) -> None:
         """Refresh the masters from the model (after loading weights into the module only)."""
         if self.policy.mixed:
-            torch._foreach_copy_(self.masters, self.params)
+            params: list[torch.Tensor] = [*self.params]
+            masters: list[torch.Tensor] = [*self.masters]
+            torch._foreach_copy_(masters, params)
 
     def master_bytes(self) -> int:
         if not self.policy.mixed:

@@ -196,7 +196,8 @@ def _original_kernel(model: nn.Module, module: nn.Module) -> tuple[str, Callable
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    name = module.config._attn_implementation or "eager"
+    config: Any = module.config  # (a transformers attention module's config: nn.Module does not declare it)
+    name = config._attn_implementation or "eager"
     if name == ULYSSES_ATTENTION:
         raise ValueError(f"{type(model).__name__}: attention already set to {ULYSSES_ATTENTION!r} by another install")
     if name not in ALL_MASK_ATTENTION_FUNCTIONS:
@@ -205,7 +206,7 @@ def _original_kernel(model: nn.Module, module: nn.Module) -> tuple[str, Callable
             f"cannot build its full-sequence mask; use one of {sorted(ALL_MASK_ATTENTION_FUNCTIONS)}"
         )
     if name == "eager":
-        if getattr(module.config, "reorder_and_upcast_attn", False):
+        if getattr(config, "reorder_and_upcast_attn", False):
             raise ValueError(
                 f"{type(model).__name__}: reorder_and_upcast_attn=True makes eager attention bypass the attention "
                 "interface; set it to False or use attn_implementation='sdpa' with sequence parallelism"
@@ -296,6 +297,7 @@ def _full_sequence_mask(module: nn.Module, binding: _AttentionBinding, query: to
         allow_is_causal_skip = False
         allow_is_bidirectional_skip = sliding_window is None
     if context.packed_sequence_ids is not None:
+        assert context.position_ids is not None  # (packed sequences are found from the positions, recorded with them)
         positions = context.position_ids.expand(batch, -1)
         mask_function = masks.and_masks(masks.remap_positions_for_packed_sequence(mask_function, positions),
                                         masks.packed_sequence_mask_function(context.packed_sequence_ids))

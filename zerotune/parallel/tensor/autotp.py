@@ -16,6 +16,7 @@ Every tp rank must start from the same full weights (``initialize`` broadcasts r
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,7 +52,7 @@ def _plan_for(model: nn.Module, tp: int, user_rules: tuple[LayerRule, ...], use_
               ) -> tuple[tuple[LayerRule, ...], ArchitecturePlan | None]:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    plan = PLANS.get(model_type) if use_default else None
+    plan = PLANS.get(model_type) if use_default and model_type is not None else None
     if plan is None and not user_rules:
         raise TensorParallelPlanError(
             f"tensor_parallel.autotp_size={tp}: no built-in tensor-parallel plan for {type(model).__name__} "
@@ -168,12 +169,13 @@ def apply_autotp(model: nn.Module, group: dist.ProcessGroup, *, layer_specs: tup
     if plan is not None and plan.localize is not None:
         for module in model.modules():
             plan.localize(module, tp)
-    heads = [model.get_submodule(layer.name) for layer in sharded if layer.kind == "vocab"]
-    heads = [head for head in heads if isinstance(head, ColumnParallelLinear)]
+    vocab = [model.get_submodule(layer.name) for layer in sharded if layer.kind == "vocab"]
+    heads = [head for head in vocab if isinstance(head, ColumnParallelLinear)]
     for head in heads:
         head.gather_output = gather_logits
     if heads and not gather_logits:
-        model.loss_function = vocab_parallel_causal_lm_loss(group)
+        lm: Any = model  # (a transformers causal LM: nn.Module does not declare its loss_function)
+        lm.loss_function = vocab_parallel_causal_lm_loss(group)
     return sharded
 
 

@@ -93,7 +93,7 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, we
     return out.view(*x.shape[:-1], weight.shape[-1])
 
 
-def _linear_repr(layer: nn.Module) -> str:
+def _linear_repr(layer: ColumnParallelLinear | RowParallelLinear) -> str:
     """The part of a parallel linear's repr both kinds share: features and local-of-full weight shape."""
     full = (layer.out_features, layer.in_features) if layer.weight_layout == "out_in" else (
         layer.in_features, layer.out_features)
@@ -266,7 +266,7 @@ class VocabParallelEmbedding(nn.Module):
         rows = num_embeddings // self.tp_world
         self.vocab_start, self.vocab_end = self.tp_rank * rows, (self.tp_rank + 1) * rows
         owns_padding = padding_idx is not None and self.vocab_start <= padding_idx < self.vocab_end
-        self._local_padding_idx = padding_idx - self.vocab_start if owns_padding else None
+        self._local_padding_idx = padding_idx - self.vocab_start if padding_idx is not None and owns_padding else None
 
     def _adopt_full(self, weight: torch.Tensor) -> None:
         layout = TPLayout(0, self.tp_world, self.tp_rank, self.num_embeddings)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
 
@@ -44,8 +44,9 @@ class ArchitecturePlan:
 def _localize_gpt2_attention(module: nn.Module, tp: int) -> None:
     """GPT-2 splits its fused q|k|v output with ``split_size`` (the full width): make it the local width."""
     if type(module).__name__ == "GPT2Attention":
-        module.split_size //= tp
-        module.num_heads //= tp
+        attention: Any = module  # (transformers' GPT2Attention: nn.Module does not declare its attributes)
+        attention.split_size //= tp
+        attention.num_heads //= tp
 
 
 _VOCAB_GPT2 = (LayerRule((r"(.*\.)?wte\.weight",), "column", vocab=True),
@@ -93,6 +94,7 @@ def rules_from_config(layer_specs: list) -> tuple[LayerRule, ...]:
     """The config's ``partition_config.layer_specs`` (sections or dicts) as rules."""
     rules = []
     for spec in layer_specs:
-        get = spec.get if isinstance(spec, dict) else lambda key, default=None, s=spec: getattr(s, key, default)
+        get: Callable[..., Any] = (spec.get if isinstance(spec, dict)
+                                   else lambda key, default=None, s=spec: getattr(s, key, default))
         rules.append(LayerRule(tuple(get("patterns")), get("partition_type"), int(get("parts", 1) or 1)))
     return tuple(rules)
