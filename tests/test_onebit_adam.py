@@ -25,6 +25,23 @@ def test_sign_bits_round_trip():
     assert pack_signs(x >= 0).numel() == 8
 
 
+def test_step_evaluates_the_closure_and_returns_its_loss():
+    """torch's optimizer contract (and DeepSpeed's OnebitAdam): ``step(closure)`` re-evaluates the model with
+    gradients on and returns the closure's loss."""
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = OneBitAdam([weight], lr=0.1)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = (weight ** 2).sum()
+        loss.backward()
+        return loss
+
+    assert optimizer.step(closure).item() == 3.0
+    assert bool((weight < 1).all())
+    assert optimizer.step() is None
+
+
 def _repeated_allreduce() -> tuple[list[float], list[float]]:
     """The same per-rank vector averaged 200 times: error feedback makes the running mean converge."""
     rank, world = dist.get_rank(), dist.get_world_size()

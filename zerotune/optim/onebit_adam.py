@@ -17,7 +17,7 @@ rank: ``error_state_dict`` / ``load_error_state_dict`` let checkpoints save them
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Callable, Iterable, overload
 
 import torch
 import torch.distributed as dist
@@ -107,8 +107,19 @@ class OneBitAdam(torch.optim.Optimizer):
                                   torch.zeros(padded // world, device=param.device))
         return self.errors[index]
 
+    @overload
+    def step(self, closure: None = None) -> None: ...
+
+    @overload
+    def step(self, closure: Callable[[], float]) -> float: ...
+
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One step; ``closure`` (torch's optimizer contract) re-evaluates the model, and its loss is returned."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         compressing = self.takes_local_gradients
         index = -1
         for group in self.param_groups:
@@ -135,6 +146,7 @@ class OneBitAdam(torch.optim.Optimizer):
                     update.add_(param, alpha=group["weight_decay"])
                 param.add_(update, alpha=-group["lr"])
         self.steps_taken += 1
+        return loss
 
     def error_state_dict(self) -> dict:
         """This rank's error-feedback buffers (they differ per rank: the engine saves them per rank) and the
