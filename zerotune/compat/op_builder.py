@@ -16,20 +16,10 @@ from typing import Any
 
 import torch
 
+from zerotune.compat import ops
+from zerotune.compat.op_capabilities import CAPABILITIES, compatible_ops, installed_ops
 from zerotune.compat.paths import DeepSpeedFeatureNotSupported
 
-# op NAME -> the zerotune capability that stands for it (None: zerotune does not have it)
-_CAPABILITIES: dict[str, str | None] = {
-    "cpu_adam": "DeepSpeedCPUAdam (torch's Adam on the host)", "cpu_adagrad": "torch's Adagrad on the host",
-    "cpu_lion": None, "fused_adam": "FusedAdam (torch's fused Adam)", "fused_lamb": "FusedLamb (zerotune's Lamb)",
-    "fused_lion": None, "async_io": "zerotune's threaded swap-file IO (offload to nvme)", "gds": None,
-    "pin_memory": "torch's pinned host memory", "utils": "torch's flatten / unflatten",
-    "transformer": None, "stochastic_transformer": None, "transformer_inference": None, "inference_core_ops": None,
-    "cutlass_ops": None, "ragged_ops": None, "ragged_device_ops": None, "quantizer": None, "fp_quantizer": None,
-    "sparse_attn": None, "spatial_inference": None, "evoformer_attn": None, "random_ltd": None, "flash_attn": None,
-    "dc": None, "deepspeed_ccl_comm": None, "deepspeed_shm_comm": None, "pack_bits": None,
-    "deepspeed_not_implemented": None,
-}
 _CLASS_NAMES = {
     "cpu_adam": "CPUAdamBuilder", "cpu_adagrad": "CPUAdagradBuilder", "cpu_lion": "CPULionBuilder",
     "fused_adam": "FusedAdamBuilder", "fused_lamb": "FusedLambBuilder", "fused_lion": "FusedLionBuilder",
@@ -58,12 +48,11 @@ class OpBuilder:
         return f"deepspeed.ops.{self.name}_op"
 
     def is_compatible(self, verbose: bool = False) -> bool:
-        return _CAPABILITIES.get(self.name) is not None
+        return CAPABILITIES.get(self.name) is not None
 
     def load(self, verbose: bool = True) -> Any:
-        capability = _CAPABILITIES.get(self.name)
+        capability = CAPABILITIES.get(self.name)
         if self.name in ("cpu_adam", "fused_adam", "fused_lamb"):
-            from zerotune.compat import ops
             return ops
         if capability is None:
             raise DeepSpeedFeatureNotSupported(self.absolute_name(), f"the compiled op '{self.name}'")
@@ -85,8 +74,6 @@ BUILDERS: dict[str, type[OpBuilder]] = {
 globals().update(BUILDERS)
 ALL_OPS = {cls.NAME: cls() for cls in BUILDERS.values()}
 
-installed_ops = dict.fromkeys(ALL_OPS, False)  # nothing was compiled at install
-compatible_ops = {name: builder.is_compatible() for name, builder in ALL_OPS.items()}
 
 
 def _version(text: str | None) -> str:

@@ -13,9 +13,10 @@ from typing import Any, Iterable
 
 import torch
 
+from zerotune.compat.op_capabilities import compatible_ops, installed_ops
 from zerotune.optim.lamb import Lamb
 
-__all__ = ["FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "adam", "lamb", "op_builder"]
+__all__ = ["FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "adam", "lamb"]
 
 
 def _check_bias_correction(cls: str, bias_correction: bool) -> None:
@@ -64,8 +65,6 @@ class FusedLamb(Lamb):
 # ``deepspeed.ops.adam`` and ``deepspeed.ops.lamb`` are this module too.
 adam = lamb = sys.modules[__name__]
 
-# what DeepSpeed code reads before using an op (see op_builder.py for what "compatible" means here)
-from zerotune.compat import op_builder  # noqa: E402  (op_builder's load() imports this module back)
-
-__compatible_ops__ = op_builder.compatible_ops
-__installed_ops__ = op_builder.installed_ops
+# what DeepSpeed code reads before using an op (op_capabilities.py says what "compatible" means here)
+__compatible_ops__ = compatible_ops
+__installed_ops__ = installed_ops
