@@ -397,7 +397,7 @@ def _auto_engine() -> tuple[int, float, object, int]:
 
     import zerotune
 
-    initialize_module = sys.modules["zerotune.initialize"]  # (the package's ``initialize`` is the function)
+    initialize_module = sys.modules["zerotune.initialize_phases"]  # (configure_run asks the plan)
     seen = []
     choose_at_initialize = initialize_module.choose_stage_at_initialize
 
