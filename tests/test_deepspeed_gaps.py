@@ -225,6 +225,7 @@ def _sparse_gradients_run(stage: int) -> list[float]:
     config = {"train_micro_batch_size_per_gpu": 2, "sparse_gradients": True, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     engine, *_ = zerotune.initialize(model=_SparseEmbeddingModel(), config=config)
+    assert engine.sparse_tensor_module_names == {"emb.weight"}  # DeepSpeed's bookkeeping of what the key covers
     rank = torch.distributed.get_rank()
     losses = []
     for step in range(3):

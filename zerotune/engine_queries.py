@@ -35,9 +35,12 @@ class EngineQueries:
 
     @property
     def sparse_tensor_module_names(self) -> set[str]:
-        """DeepSpeed's embedding modules whose gradients it reduces as sparse tensors: none here, every gradient is
-        made dense and reduced in the buckets (``sparse_gradients: true`` is accepted with a no-effect note)."""
-        return set()
+        """DeepSpeed's names of the embedding weights ``sparse_gradients: true`` covers (every ``nn.Embedding`` /
+        ``nn.EmbeddingBag`` weight); zerotune reduces their gradients dense, in the buckets (the same values)."""
+        if self._config.sparse_gradients is not True:
+            return set()
+        return {f"{name}.weight" if name else "weight" for name, module in self.module.named_modules()
+                if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
 
     @property
     def device(self) -> torch.device:

@@ -69,9 +69,6 @@ _NO_EFFECT_TOP: dict[str, NoEffect] = {
     "zero_force_ds_cpu_optimizer": (None, "", "offloaded optimizer steps run torch's kernels for any torch optimizer"),
     "cuda_visible_devices": (None, "",
                              "device visibility is the launcher's: set CUDA_VISIBLE_DEVICES in the environment"),
-    "sparse_gradients": (lambda v: isinstance(v, bool), "true or false",
-                         "gradients are reduced dense, nn.Embedding(sparse=True)'s too: the same values; DeepSpeed's "
-                         "sparse all-gather changes only the bytes sent"),
     "dump_state": (_is(False), "false", "there is no state dump"),
     "disable_allgather": (_is(False), "false", "updated shards are always all-gathered"),
     "graph_harvesting": (_is(False), "false", "no CUDA-graph harvesting"),
@@ -96,6 +93,8 @@ class ZeroTuneConfig(Section):
     }
     NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
         "zero_allow_untested_optimizer": "every torch optimizer runs on the shards (Lamb is refused at stages 1-3)",
+        "sparse_gradients": "gradients are reduced dense, nn.Embedding(sparse=True)'s too: the same values; "
+                            "DeepSpeed's sparse all-gather changes only the bytes sent",
     }
 
     @classmethod
@@ -176,6 +175,9 @@ class ZeroTuneConfig(Section):
     """Divide gradients by this factor before the all-reduce and by dp_size/factor after (overflow control)."""
     zero_allow_untested_optimizer: AutoBool = False
     """Accepted for DeepSpeed compatibility; zerotune runs any torch optimizer with ZeRO."""
+    sparse_gradients: AutoBool = False
+    """DeepSpeed's sparse reduction of embedding gradients; here they are reduced dense (no effect on the values).
+    ``engine.sparse_tensor_module_names`` lists the embedding weights it names, as DeepSpeed's does."""
     dataloader_drop_last: AutoBool = False
     """Drop the last incomplete batch of the engine-built data loader."""
     communication_data_type: Optional[Literal["fp32", "fp16", "bf16", "bfp16"]] = None
