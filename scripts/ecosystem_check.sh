@@ -15,7 +15,8 @@
 # through a .pth file, after its own site-packages: what the tool's requirements need (pip's resolver, run on the
 # tool's requirements with this torch and zerotune's bounds, pyproject.toml, as constraints) is installed into the
 # venv and shadows this environment's version; what this environment already meets is used as it is. Never
-# installed: torch (this environment's), DeepSpeed (the alias stands in), CUDA-only packages (NEVER below), and
+# installed: torch (this environment's), DeepSpeed (the alias stands in), CUDA-only packages (NEVER below; one a
+# tool's case merely imports, IMPORT_ONLY below, is installed --no-deps where it imports cleanly here), and
 # torchvision / torchaudio where no release is built for this torch. A tool is NOT INSTALLABLE only where its
 # pins contradict zerotune's bounds or this torch (pip's conflict, each pin named), or where its case imports a
 # package that is never installed here (the case's ModuleNotFoundError, with the importing file:line).
@@ -41,6 +42,16 @@ declare -A REGISTRY=(
 # in), CUDA-only packages. TORCH_BUILT: installed only where a release built for this torch exists.
 NEVER='^(torch|deepspeed|triton|vllm|xformers|flash[-_]attn|bitsandbytes|nvidia-.*|liger[-_]kernel)$'
 TORCH_BUILT='^(torchvision|torchaudio)$'
+# TOOL -> the CUDA-bound packages of NEVER that its case only imports (the kernels they serve are switched off by the
+# case): installed as the tool asks (--no-deps: nothing else comes with them) and kept only where the package imports
+# cleanly on this machine and names neither torch nor deepspeed among its own requirements; else skipped as the rest
+# of NEVER. Never torch or deepspeed themselves.
+#   axolotl: triton. axolotl imports it at module level on `axolotl train`'s path
+#   (axolotl/monkeypatch/trainer/utils.py:17); its Triton LoRA kernels are off in the case; triton's wheel imports
+#   on a CPU-only machine.
+declare -A IMPORT_ONLY=(
+  [axolotl]="triton"
+)
 
 usage() { sed -n '2,/^set -uo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 2; }
 fresh=0 tools=()
@@ -163,6 +174,7 @@ EOF
     echo "NOT INSTALLABLE: pip install --no-deps of the resolved set failed: $(grep -m1 ERROR "$venv/pip.log")"
     return 1
   fi
+  import_only "$tool" "$venv" || return 1
   # a torchvision / torchaudio release that requires this torch's version may still be built for another variant
   # of it (CUDA wheels against a CPU torch): one that does not import here is removed again and skipped
   for name in $(grep -ioE "^(${TORCH_BUILT:2:-2})" "$res/requirements.txt"); do
@@ -173,6 +185,40 @@ EOF
     fi
   done
   "$venv/bin/python" -c "import importlib.metadata as m; print(m.version('$package'))"
+}
+
+import_only() {  # import_only TOOL VENV: TOOL's IMPORT_ONLY packages installed (--no-deps) as skipped.txt's
+  # requirement names them, and taken out of skipped.txt where one imports cleanly and requires no torch / deepspeed
+  # (import_only.txt lists them); one that does not is uninstalled again and stays skipped, with why
+  local name req why res=$2/resolve
+  local check='import importlib, importlib.metadata as md, re, sys
+from packaging.requirements import Requirement
+name = sys.argv[1]
+pulls = [r for r in md.requires(name) or []
+         if re.sub(r"[-_.]+", "-", Requirement(r).name).lower() in ("torch", "deepspeed")]
+if pulls:
+    raise SystemExit("it requires " + ", ".join(pulls))
+importlib.import_module(name.replace("-", "_"))'
+  : > "$res/import_only.txt"
+  for name in ${IMPORT_ONLY[$1]:-}; do
+    [[ ${name,,} =~ ^(torch|deepspeed)$ ]] && { echo "NOT INSTALLABLE: IMPORT_ONLY names $name"; return 1; }
+    req=$(grep -i -m1 "^$name:" "$res/skipped.txt" | sed 's/^[^:]*: //;s/ (.*//')
+    [ -n "$req" ] || continue  # not asked for
+    if ! pip_in "$2" install -q --no-deps "$req"; then
+      why="import-only; pip install --no-deps failed: $(grep -m1 ERROR "$2/pip.log")"
+    elif ! why=$("$2/bin/python" -c "$check" "$name" 2>&1); then
+      why="import-only; not kept: $(tail -n1 <<< "$why" | sed 's#/[^ ]*/##g')"
+    else
+      why=
+    fi
+    if [ -n "$why" ]; then
+      pip_in "$2" uninstall -y "$name"
+      sed -i "s|^\($name: [^(]*\)(.*|\1($why)|I" "$res/skipped.txt"
+    else
+      sed -i "/^$name:/Id" "$res/skipped.txt"
+      echo "$name: $req -> $name==$("$2/bin/python" -c "import importlib.metadata as m; print(m.version('$name'))") (imports here)" >> "$res/import_only.txt"
+    fi
+  done
 }
 
 never_imported() {  # never_imported VENV LINE: "NOT INSTALLABLE: ..." where the case stopped importing a package

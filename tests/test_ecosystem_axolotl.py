@@ -1,9 +1,9 @@
 """axolotl's DeepSpeed path on zerotune (issue 28): ``axolotl train`` LoRA SFT with ZeRO 2 / ZeRO 3 configs on
 2 CPU ranks logs the same losses as its non-DeepSpeed run (1e-5 relative). Runs
-scripts/ecosystem/axolotl_case.py where axolotl is installed; skipped elsewhere. Without triton (never
-installed on CPU) axolotl 0.19.0 stops at axolotl/monkeypatch/trainer/utils.py:17's import of it, after its
-multi-rank CPU device map (axolotl/utils/config/__init__.py:230), which the case steps past; see
-scripts/ecosystem_check.sh axolotl."""
+scripts/ecosystem/axolotl_case.py where axolotl and triton are installed (scripts/ecosystem_check.sh axolotl installs
+triton as import-only: axolotl/monkeypatch/trainer/utils.py:17 imports it on the trainer's path); skipped
+elsewhere. axolotl 0.19.0 stops on CPU at its multi-rank device map (axolotl/utils/config/__init__.py:230) or, with
+a ZeRO-3 config, at its TrainingArguments without use_cpu; the case records the stop and runs past both."""
 
 from __future__ import annotations
 
