@@ -172,7 +172,12 @@ def test_moe_names_deepspeed_code_imports_for_every_model(alias) -> None:
 def test_engine_members_deepspeeds_checkpoint_tests_compare() -> None:
     from zerotune.engine_queries import EngineQueries
 
-    assert EngineQueries.sparse_tensor_module_names.fget(None) == set()  # dense gradients: no sparse modules
+    from types import SimpleNamespace
+
+    model = nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 1))
+    names = EngineQueries.sparse_tensor_module_names.fget  # DeepSpeed's: the embeddings sparse_gradients covers
+    assert names(SimpleNamespace(_config=SimpleNamespace(sparse_gradients=False), module=model)) == set()
+    assert names(SimpleNamespace(_config=SimpleNamespace(sparse_gradients=True), module=model)) == {"0.weight"}
 
 
 def _tags_and_dirs() -> list[str]:
