@@ -1,4 +1,4 @@
-"""The seed guide's (DeepSpeed's) constructor spellings on zerotune's engine classes.
+"""DeepSpeed's constructor spellings on zerotune's engine classes.
 
 ``DeepSpeedEngine.initialize(model=..., config_params=...)`` and ``PipelineEngine(model, config=...)`` both mean
 ``zerotune.initialize``. The engine classes do not import ``initialize`` (it builds them), so the spellings are
