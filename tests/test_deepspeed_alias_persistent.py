@@ -18,7 +18,7 @@ import zerotune
 from zerotune.cli.main import main
 from zerotune.compat import DEEPSPEED_VERSION
 from zerotune.compat.alias_hook import LazyDeepSpeedAlias
-from zerotune.compat.persistent import HOOK_NAME, PTH_NAME, PTH_TEXT, AliasInstallError, install_hook
+from zerotune.compat.persistent import ACTIVATE, HOOK_NAME, PTH_NAME, PTH_TEXT, AliasInstallError, install_hook
 
 OUTER_HAS_DEEPSPEED = importlib.machinery.PathFinder.find_spec("deepspeed") is not None
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -79,7 +79,8 @@ def test_install_is_idempotent_status_reports_it_and_remove_undoes_it(clean: Ven
     venv = clean
     first = venv.zerotune("install")
     assert first.returncode == 0 and first.stdout.startswith("installed: "), first.stdout + first.stderr
-    assert (venv.site / PTH_NAME).read_text() == PTH_TEXT == "import _zerotune_deepspeed_alias\n"
+    assert (venv.site / PTH_NAME).read_text() == PTH_TEXT == ("import _zerotune_deepspeed_alias; "
+                                                              "_zerotune_deepspeed_alias.hook('zerotune.compat.alias:install_deepspeed_alias')\n")
     launcher = venv.root / "bin" / "deepspeed"  # DeepSpeed's launcher command, on zerotune
     assert f"`deepspeed` command: {launcher}" in first.stdout and os.access(launcher, os.X_OK)
     usage = subprocess.run([str(launcher), "--help"], capture_output=True, text=True, timeout=240, env=ENV)
@@ -181,7 +182,7 @@ def test_install_names_a_missing_or_unwritable_directory(tmp_path: Path, monkeyp
 def test_the_lazy_finder_answers_for_deepspeed_over_sys_path_only() -> None:
     from importlib.metadata import DistributionFinder
 
-    finder = LazyDeepSpeedAlias()
+    finder = LazyDeepSpeedAlias(ACTIVATE)
     versions = [d.version for d in finder.find_distributions(DistributionFinder.Context(name="DeepSpeed"))]
     assert versions == [DEEPSPEED_VERSION]
     assert list(finder.find_distributions(DistributionFinder.Context(name="transformers"))) == []

@@ -44,6 +44,17 @@ from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.fragments import register_owner
 from zerotune.zero.stage3.saving import iter_consolidated, save_consolidated
 
+_ENGINE_EXTENSIONS: list[Callable[["EngineCore"], None]] = []
+
+
+def register_engine_extension(extend: Callable[["EngineCore"], None]) -> None:
+    """Call ``extend(engine)`` at the end of every engine's construction (idempotent).
+
+    How a front end adds its own names to the engines it receives without the core knowing it: the
+    DeepSpeed face (``compat/spellings.py``) hangs DeepSpeed's ``optimizer.parameter_offload`` here."""
+    if extend not in _ENGINE_EXTENSIONS:
+        _ENGINE_EXTENSIONS.append(extend)
+
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
     """Apply ``fn`` to every tensor in nested lists / tuples / dicts; leave other values alone."""
@@ -101,11 +112,6 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.state = state
         self.optimizer = optimizer
         register_owner(module.parameters(), self)  # how deepspeed.utils.safe_get_full_grad(param) & co. find us
-        if state.partitions_weights and optimizer is not None:  # DeepSpeed's engine.optimizer.parameter_offload,
-            # through which TRL drops and re-adds the module hooks around generation (compat/parameter_offload.py)
-            from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
-
-            optimizer.parameter_offload = DeepSpeedZeRoOffload(module, state)
         if optimizer is not None:  # DeepSpeed's fp16/ZeRO optimizers' flag, read by DeepSpeed-Chat: the last step
             optimizer.overflow = False  # overflowed and was skipped (kept by _model_step)
         self.client_optimizer = client_optimizer
@@ -133,6 +139,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self._post_step_hooks: list[Callable[["EngineCore"], None]] = []
         self._offloaded: dict = {}  # offload_states: kind -> its move (engine_offload_states.py)
         self._pinned_host: dict = {}  # kind -> page-locked host buffers kept for the next offload_states
+        for extend in _ENGINE_EXTENSIONS:
+            extend(self)
 
     def register_post_step_hook(self, hook: Callable[["EngineCore"], None]) -> Callable[[], None]:
         """Call ``hook(engine)`` after every optimizer step; returns a function that removes it."""

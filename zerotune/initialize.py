@@ -8,7 +8,6 @@ the typed pieces they return are in ``initialize_phases.py``.
 
 from __future__ import annotations
 
-import argparse
 import os
 from typing import Any, Callable, Iterable
 
@@ -29,18 +28,6 @@ from zerotune.initialize_phases import (
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.activation_checkpointing import policy_from_section
 from zerotune.pipe.module import PipelineModule
-
-
-def add_config_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add DeepSpeed's command-line flags (and zerotune's own name for the config flag)."""
-    group = parser.add_argument_group("zerotune", "zerotune / DeepSpeed configuration")
-    group.add_argument("--deepspeed", default=False, action="store_true",
-                       help="enable the engine (accepted for DeepSpeed compatibility)")
-    group.add_argument("--deepspeed_config", "--zerotune_config", dest="deepspeed_config", default=None, type=str,
-                       help="path to the DeepSpeed-style JSON/YAML config")
-    group.add_argument("--deepscale", default=False, action="store_true", help=argparse.SUPPRESS)
-    group.add_argument("--deepscale_config", default=None, type=str, help=argparse.SUPPRESS)
-    return parser
 
 
 def _config_source(args: Any, config: Any, config_params: Any) -> Any:

@@ -99,8 +99,9 @@ class DeepSpeedAliasFinder(importlib.abc.MetaPathFinder):
 class ZerotuneDeepSpeedPathsFinder(importlib.abc.MetaPathFinder):
     """``import zerotune as deepspeed`` also for submodules: ``zerotune.<path>`` answers as
     ``deepspeed.<path>`` when zerotune has no module of that name (``zerotune.runtime.pipe.engine``,
-    ``zerotune.accelerator``, ``zerotune.pt``). It sits last on ``sys.meta_path``, so zerotune's own
-    modules (``zerotune.comm``, ``zerotune.zero``, ``zerotune.pipe``...) always win."""
+    ``zerotune.accelerator``, ``zerotune.pt``; also ``zerotune.comm`` and ``zerotune.checkpointing``, which are
+    ``compat.comm`` / ``compat.checkpointing``). It sits last on ``sys.meta_path``, so zerotune's own modules
+    (``zerotune.zero``, ``zerotune.pipe``...) always win."""
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         if not fullname.startswith("zerotune."):

@@ -1,15 +1,19 @@
 """The persistent ``deepspeed`` alias hook: stdlib only, run by ``site`` at every interpreter start.
 
 ``zerotune deepspeed-alias install`` copies this file's text into the environment's site-packages
-as ``_zerotune_deepspeed_alias.py`` next to ``zerotune_deepspeed_alias.pth`` (one line,
-``import _zerotune_deepspeed_alias``, which ``site`` executes). Imported under that name, the module
-puts a ``LazyDeepSpeedAlias`` first on ``sys.meta_path``; imported as ``zerotune.compat.alias_hook``
-(by ``alias.py``) it only lends out ``DEEPSPEED_VERSION`` and the distribution.
+as ``_zerotune_deepspeed_alias.py`` next to ``zerotune_deepspeed_alias.pth``, whose one line ``site``
+executes: ``import _zerotune_deepspeed_alias; _zerotune_deepspeed_alias.hook("MODULE:FUNCTION")``.
+``hook`` puts a ``LazyDeepSpeedAlias`` first on ``sys.meta_path``; imported as
+``zerotune.compat.alias_hook`` (by ``alias.py``) the module only lends out ``DEEPSPEED_VERSION`` and
+the distribution.
 
 Why lazy: every Python process of the environment runs this (pip, linters, tools), and most of
 them never import DeepSpeed. So nothing here imports zerotune, torch, or even ``importlib.metadata``
-(~20 ms) at start. The first ``deepspeed`` / ``deepspeed.*`` lookup activates the real alias
-(``zerotune.compat.alias.install_deepspeed_alias``), and the lazy finder steps aside.
+(~20 ms) at start. The first ``deepspeed`` / ``deepspeed.*`` lookup activates the real alias -- the
+function the ``.pth`` line names (``persistent.py`` writes ``zerotune.compat.alias``'s
+``install_deepspeed_alias``) -- and the lazy finder steps aside. The installer is named by the
+``.pth`` line, not imported here, so this stdlib-only bottom layer does not depend on the alias
+that depends on it.
 
 Why the version answer lives here: transformers and accelerate ask
 ``importlib.metadata.version("deepspeed")`` before they import it, so the answer must come
@@ -82,22 +86,33 @@ def _is_deepspeed(fullname: str) -> bool:
 
 
 class LazyDeepSpeedAlias:
-    """A meta-path finder that turns the real alias on at the first ``deepspeed`` lookup, then leaves."""
+    """A meta-path finder that turns the real alias on at the first ``deepspeed`` lookup, then leaves.
+
+    ``activate`` names the function that installs the real alias, as ``"package.module:function"``."""
 
     _zerotune_findable: bool | None = None
+
+    def __init__(self, activate: str) -> None:
+        module, _, function = activate.partition(":")
+        if not module or not function:
+            raise ValueError(f"activate must read 'package.module:function', got {activate!r}")
+        self.activate_module, self.activate_function = module, function
 
     def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
         if not _is_deepspeed(fullname):
             return None
         # Leave first: importing zerotune may itself look ``deepspeed`` up, which must not recurse.
         self.leave()
+        import importlib
+
+        package = self.activate_module.partition(".")[0]
         try:
-            from zerotune.compat.alias import install_deepspeed_alias
+            installer = getattr(importlib.import_module(self.activate_module), self.activate_function)
         except ModuleNotFoundError as error:
-            if error.name is not None and (error.name == "zerotune" or error.name.startswith("zerotune.")):
+            if error.name is not None and (error.name == package or error.name.startswith(package + ".")):
                 return None  # zerotune was uninstalled: an ordinary "No module named 'deepspeed'"
             raise
-        install_deepspeed_alias()
+        installer()
         for finder in sys.meta_path:  # the alias's finder now goes first
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if find is not None else None
@@ -110,7 +125,7 @@ class LazyDeepSpeedAlias:
         if self._zerotune_findable is None:
             import importlib.util
 
-            self._zerotune_findable = importlib.util.find_spec("zerotune") is not None
+            self._zerotune_findable = importlib.util.find_spec(self.activate_module.partition(".")[0]) is not None
         return deepspeed_distributions(context) if self._zerotune_findable else iter(())
 
     def leave(self) -> None:
@@ -118,14 +133,12 @@ class LazyDeepSpeedAlias:
             sys.meta_path.remove(self)
 
 
-def _hook() -> None:
-    """Put the lazy finder first on ``sys.meta_path`` (once per interpreter)."""
-    if not any(type(finder).__name__ == LazyDeepSpeedAlias.__name__ for finder in sys.meta_path):
-        sys.meta_path.insert(0, LazyDeepSpeedAlias())
+def hook(activate: str) -> None:
+    """Put the lazy finder first on ``sys.meta_path`` (once per interpreter); the ``.pth`` line's call.
 
-
-if __name__ == HOOK_MODULE:
+    Never raises: a broken hook must not put a traceback on every interpreter start."""
     try:
-        _hook()
-    except Exception:  # never a traceback at every interpreter start
+        if not any(type(finder).__name__ == LazyDeepSpeedAlias.__name__ for finder in sys.meta_path):
+            sys.meta_path.insert(0, LazyDeepSpeedAlias(activate))
+    except Exception:
         pass

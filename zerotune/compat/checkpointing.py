@@ -1,4 +1,9 @@
-"""``deepspeed.checkpointing``: activation checkpointing plus Megatron's model-parallel RNG tracker.
+"""``deepspeed.checkpointing`` (and ``zerotune.checkpointing``): activation checkpointing plus Megatron's
+model-parallel RNG tracker.
+
+The checkpointing itself is ``zerotune.parallel.activation_checkpointing``, re-exported here under DeepSpeed's
+names, with the zerotune extension that checkpoints a model's transformer blocks
+(``apply_activation_checkpointing``).
 
 The tracker keeps named RNG states (Megatron's "model-parallel-rng": a different dropout stream
 per tensor-parallel rank) and swaps one in for a block with ``fork()``. It tracks the CUDA
@@ -12,13 +17,27 @@ from typing import Iterator
 
 import torch
 
-from zerotune.checkpointing import checkpoint, configure, is_configured, non_reentrant_checkpoint, reset
 from zerotune.distributed.mesh import latest_mesh
+from zerotune.parallel.activation_checkpointing import (
+    CheckpointPolicy,
+    apply_activation_checkpointing,
+    checkpoint,
+    checkpointed_module_names,
+    configure,
+    configured_policy,
+    is_configured,
+    non_reentrant_checkpoint,
+    policy_from_section,
+    remove_activation_checkpointing,
+    reset,
+)
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"
 
 __all__ = ["checkpoint", "configure", "is_configured", "reset", "non_reentrant_checkpoint", "get_cuda_rng_tracker",
-           "model_parallel_cuda_manual_seed", "CudaRNGStatesTracker"]
+           "model_parallel_cuda_manual_seed", "CudaRNGStatesTracker", "CheckpointPolicy",
+           "apply_activation_checkpointing", "checkpointed_module_names", "configured_policy", "policy_from_section",
+           "remove_activation_checkpointing"]
 
 
 def _get_state() -> torch.Tensor:

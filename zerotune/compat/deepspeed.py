@@ -2,17 +2,17 @@
 
 from __future__ import annotations
 
-from zerotune import comm
-from zerotune.compat import accelerator, checkpointing, ops, pipe, runtime, utils, zero
+from zerotune.compat import accelerator, checkpointing, comm, ops, pipe, runtime, utils, zero
 from zerotune.compat.accelerator import get_accelerator
 from zerotune.compat.alias import DEEPSPEED_VERSION
+from zerotune.compat.arguments import add_config_arguments
 from zerotune.compat.lr_schedules import add_tuning_arguments
 from zerotune.compat.refusals import refused_class
 from zerotune.compat.runtime import DeepSpeedConfig, DeepSpeedConfigError, DeepSpeedEngine
 from zerotune.distributed.env import init_distributed
 from zerotune.inference import InferenceConfig as DeepSpeedInferenceConfig
 from zerotune.inference import InferenceEngine, init_inference
-from zerotune.initialize import add_config_arguments, initialize
+from zerotune.initialize import initialize
 from zerotune.pipe.engine import PipelineEngine
 
 __version__ = DEEPSPEED_VERSION

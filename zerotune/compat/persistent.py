@@ -6,7 +6,8 @@
 can find exactly what ``install`` wrote:
 
 * ``_zerotune_deepspeed_alias.py``: a verbatim copy of ``alias_hook.py`` (stdlib only, lazy);
-* ``zerotune_deepspeed_alias.pth``: ``import _zerotune_deepspeed_alias``, run by ``site`` at start;
+* ``zerotune_deepspeed_alias.pth``: one line, run by ``site`` at start, importing that module and calling
+  its ``hook`` with the installer to activate (``zerotune.compat.alias:install_deepspeed_alias``);
 
 and the ``deepspeed`` command in the environment's scripts directory (``zerotune.compat.launcher``),
 marked as zerotune's so that ``remove`` deletes it and never a real DeepSpeed's.
@@ -27,11 +28,13 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from zerotune.compat.alias import install_deepspeed_alias
 from zerotune.compat.alias_hook import HOOK_MODULE
 
 PTH_NAME = "zerotune_deepspeed_alias.pth"
 HOOK_NAME = HOOK_MODULE + ".py"
-PTH_TEXT = f"import {HOOK_MODULE}\n"
+ACTIVATE = f"{install_deepspeed_alias.__module__}:{install_deepspeed_alias.__name__}"
+PTH_TEXT = f"import {HOOK_MODULE}; {HOOK_MODULE}.hook({ACTIVATE!r})\n"
 HOOK_SOURCE = Path(__file__).with_name("alias_hook.py")
 LAUNCHER_MARK = "# written by zerotune deepspeed-alias install: DeepSpeed's launcher on zerotune"
 

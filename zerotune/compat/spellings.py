@@ -1,8 +1,10 @@
-"""DeepSpeed's constructor spellings on zerotune's engine classes.
+"""DeepSpeed's spellings on zerotune's engine classes and on the engines they build.
 
 ``DeepSpeedEngine.initialize(model=..., config_params=...)`` and ``PipelineEngine(model, config=...)`` both mean
 ``zerotune.initialize``. The engine classes do not import ``initialize`` (it builds them), so the spellings are
-attached here, by the package facade (``zerotune/__init__.py``) when zerotune is imported.
+attached here, by the package facade (``zerotune/__init__.py``) when zerotune is imported. Likewise every
+stage-3 engine's optimizer gets DeepSpeed's ``parameter_offload`` (``parameter_offload.py``), through which TRL
+drops and re-adds the module hooks around generation.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from typing import Any
 
 import torch
 
+from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
 from zerotune.engine import Engine
+from zerotune.engine_core import EngineCore, register_engine_extension
 from zerotune.initialize import initialize
 from zerotune.pipe.engine import set_model_builder
 
@@ -25,10 +29,18 @@ def _engine_from_model(model: torch.nn.Module, **kwargs: Any) -> Any:
     return initialize(model=model, **kwargs)[0]
 
 
+def _attach_parameter_offload(engine: EngineCore) -> None:
+    """DeepSpeed's ``engine.optimizer.parameter_offload`` where the stage partitions the weights."""
+    if engine.state.partitions_weights and engine.optimizer is not None:
+        # DeepSpeed hangs it on its ZeRO optimizer; here the attribute is added to the torch optimizer itself
+        engine.optimizer.parameter_offload = DeepSpeedZeRoOffload(engine.module, engine.state)  # type: ignore[attr-defined]
+
+
 def install_spellings() -> None:
     """Idempotent."""
     Engine.initialize = staticmethod(_initialize)  # type: ignore[attr-defined]
     set_model_builder(_engine_from_model)
+    register_engine_extension(_attach_parameter_offload)
 
 
 __all__ = ["install_spellings"]

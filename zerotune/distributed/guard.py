@@ -337,7 +337,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
-_LAYER_FILES = ("distributed/comm.py", "zerotune/comm.py", "distributed/guard.py", "distributed/guard_torch.py",
+_LAYER_FILES = ("distributed/comm.py", "compat/comm.py", "distributed/guard.py", "distributed/guard_torch.py",
                 "contextlib.py")
 
 

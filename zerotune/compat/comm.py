@@ -1,4 +1,4 @@
-"""``zerotune.comm``: DeepSpeed's ``deepspeed.comm`` API, with its signatures and defaults.
+"""``zerotune.comm`` / ``deepspeed.comm``: DeepSpeed's collectives API, with its signatures and defaults.
 
 User scripts call collectives the way DeepSpeed documents them: ``group=None`` is the whole
 world, ``src`` / ``dst`` are global ranks, the call returns ``None`` or, with ``async_op=True``,
@@ -48,7 +48,11 @@ def _world(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     if not dist.is_initialized():
         raise CommError("torch.distributed is not initialized: call zerotune.comm.init_distributed() "
                         "(or zerotune.initialize) before issuing collectives")
-    return dist.group.WORLD if group is None else group
+    if group is not None:
+        return group
+    world = dist.group.WORLD
+    assert world is not None  # set by init_process_group, checked just above
+    return world
 
 
 def _result(handle: Handle, async_op: bool) -> Handle | None:
@@ -133,7 +137,7 @@ def inference_all_reduce(tensor: torch.Tensor, op: Any = ReduceOp.SUM,
 
 
 def all_reduce_coalesced(tensors: list[torch.Tensor], op: Any = ReduceOp.SUM,
-                         group: dist.ProcessGroup | None = None, async_op: bool = False) -> Handle | None:
+                         group: dist.ProcessGroup | None = None, async_op: bool = False) -> _Many | None:
     """All-reduce a list of tensors (one call each; gloo has no coalesced all-reduce)."""
     handles = [_layer.all_reduce(t, _world(group), op=op, async_op=True) for t in tensors]
     for handle in handles if not async_op else ():
