@@ -139,3 +139,11 @@ def test_only_the_front_doors_import_the_deepspeed_face():
                  and module != PACKAGE}
     offenders = {module: targets for module, targets in offenders.items() if targets}
     assert not offenders, f"core modules importing zerotune.compat: {offenders}"
+
+
+def test_packages_import_downward_as_docs_architecture_says():
+    graph = import_graph()
+    for lower, upper in (("zerotune.offload", "zerotune.zero"), ("zerotune.parallel", "zerotune.pipe")):
+        upward = sorted((module, target) for module, targets in graph.items() for target in targets
+                        if module.startswith(lower + ".") and (target == upper or target.startswith(upper + ".")))
+        assert not upward, f"{lower} imports {upper}: {upward}"
