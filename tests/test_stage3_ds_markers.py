@@ -366,3 +366,35 @@ def _peft_count() -> tuple[tuple[int, int], tuple[int, int]]:
 def test_peft_counts_the_whole_model_at_stage3() -> None:
     for before, after, counted in run_distributed(_peft_count, 2, timeout=120):
         assert before == after == counted
+
+
+def _unwrap_detour() -> dict:
+    """The same detour through DeepSpeed's own ``deepspeed.runtime.zero.unwrap_model_for_generation``."""
+    from zerotune.compat.zero import unwrap_model_for_generation
+
+    reference = make_gpt2()
+    step = _reference_step(torch.optim.AdamW(reference.parameters(), **ADAMW))
+    want = _train(reference, step, range(DETOUR_AT), ROWS)
+    want_logits, want_tokens = _generate(reference)
+    want += _train(reference, step, range(DETOUR_AT, STEPS), ROWS)
+    engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config(stage3_prefetch_bucket_size=10**6))
+    got = _train(engine, _engine_step, range(DETOUR_AT), ROWS)
+    hooks = _hook_count(engine.module)
+    with unwrap_model_for_generation(engine) as unwrapped:
+        unhooked = _hook_count(engine.module)
+        available = _statuses(engine.module) == {AVAILABLE}
+        logits, tokens = _generate(unwrapped.module)
+    rehooked = _hook_count(engine.module)
+    got += _train(engine, _engine_step, range(DETOUR_AT, STEPS), ROWS)
+    engine.destroy()
+    return {"got": got, "want": want, "logits": torch.allclose(logits, want_logits, rtol=1e-5, atol=1e-6),
+            "tokens": torch.equal(tokens, want_tokens), "hooks": (hooks, unhooked, rehooked), "available": available,
+            "same": unwrapped is engine}
+
+
+def test_deepspeed_unwrap_model_for_generation_matches_single_process_and_training_continues() -> None:
+    for result in run_distributed(_unwrap_detour, 2, timeout=180):
+        assert result["logits"] and result["tokens"] and result["available"] and result["same"]
+        hooks, unhooked, rehooked = result["hooks"]
+        assert hooks > 0 and unhooked == 0 and rehooked == hooks
+        assert_close_traces(Trace(result["got"], [0.0] * STEPS), Trace(result["want"], [0.0] * STEPS), rel=1e-5)

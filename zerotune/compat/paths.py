@@ -103,7 +103,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine", "DeepSpeedConfig", "zero", "pipe",
                                                             "lr_schedules", "utils")),
     "deepspeed.runtime.engine": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine",)),
-    "deepspeed.runtime.config": Mapped("zerotune.compat.runtime", ("DeepSpeedConfig", "DeepSpeedConfigError")),
+    "deepspeed.runtime.config": Mapped("zerotune.compat.runtime", (
+        "DeepSpeedConfig", "DeepSpeedConfigError", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER",
+        "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "DEEPSPEED_OPTIMIZERS")),
     "deepspeed.runtime.utils": Mapped("zerotune.compat.runtime", ("set_random_seed", "see_memory_usage")),
     "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
     "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (
@@ -112,7 +114,8 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.data_pipeline": Mapped("zerotune.curriculum", ("curriculum_scheduler", "CurriculumScheduler")),
     "deepspeed.runtime.data_pipeline.curriculum_scheduler": Mapped("zerotune.curriculum.scheduler",
                                                                    ("CurriculumScheduler",)),
-    "deepspeed.runtime.zero": Mapped("zerotune.compat.zero", (*_ZERO, "DeepSpeedZeRoOffload")),
+    "deepspeed.runtime.zero": Mapped("zerotune.compat.zero", (*_ZERO, "DeepSpeedZeRoOffload",
+                                                             "unwrap_model_for_generation")),
     "deepspeed.runtime.zero.partition_parameters": Mapped("zerotune.compat.zero", (
         *_ZERO, "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator")),
     "deepspeed.runtime.zero.parameter_offload": Mapped("zerotune.compat.parameter_offload", ("DeepSpeedZeRoOffload",)),

@@ -15,8 +15,20 @@ from zerotune.config import load_config, resolve_config
 from zerotune.engine import Engine as DeepSpeedEngine
 from zerotune.monitor.logging import get_logger
 
-__all__ = ["DeepSpeedEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "RepeatingLoader", "set_random_seed",
-           "see_memory_usage", "zero", "pipe", "lr_schedules", "utils"]
+# DeepSpeed's optimizer type names (deepspeed/runtime/config.py), for the types zerotune builds: scripts compare
+# ``config["optimizer"]["type"].lower()`` against them. The one-bit Lamb, 0/1 Adam, muP, Lion and Muon names are not
+# here: zerotune refuses those types when a config names them (optim/optimizers.py).
+ADAGRAD_OPTIMIZER = "adagrad"
+ADAM_OPTIMIZER = "adam"
+ADAMW_OPTIMIZER = "adamw"
+LAMB_OPTIMIZER = "lamb"
+ONEBIT_ADAM_OPTIMIZER = "onebitadam"
+DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB_OPTIMIZER, ONEBIT_ADAM_OPTIMIZER]
+
+__all__ = ["ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER",
+           "ONEBIT_ADAM_OPTIMIZER", "DEEPSPEED_OPTIMIZERS", "DeepSpeedEngine", "DeepSpeedConfig",
+           "DeepSpeedConfigError", "RepeatingLoader", "set_random_seed", "see_memory_usage", "zero", "pipe",
+           "lr_schedules", "utils"]
 
 # deepspeed.runtime.{engine, config, utils, dataloader} are all this module under the alias.
 engine = config = utils = dataloader = sys.modules[__name__]

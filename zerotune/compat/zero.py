@@ -4,6 +4,9 @@ plus ``register_external_parameter``, and ``ZeroParamStatus``, the type of a par
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any, Iterator
+
 import torch
 
 from zerotune.compat.accelerator import get_accelerator
@@ -29,7 +32,28 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype):  #
 
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
            "ZeroParamStatus", "DeepSpeedZeRoOffload", "load_partitioned_weights", "WeightLoadingError",
-           "get_accelerator", "zero_wrapper_for_fp_tensor_constructor"]
+           "get_accelerator", "zero_wrapper_for_fp_tensor_constructor", "unwrap_model_for_generation"]
+
+
+@contextlib.contextmanager
+def unwrap_model_for_generation(engine: Any) -> Iterator[Any]:
+    """DeepSpeed's ``deepspeed.runtime.zero.unwrap_model_for_generation(engine)``: the whole weights, gathered
+    once, and no ZeRO-3 forward hooks while the block runs, so ``generate()``'s many forwards do not gather and
+    release per module; the hooks come back (and the schedule restarts) when it ends, also on an exception.
+
+    Below stage 3 (no ``optimizer.parameter_offload``) the weights are whole already and nothing changes."""
+    offload = getattr(getattr(engine, "optimizer", None), "parameter_offload", None)
+    with GatheredParameters(list(engine.parameters())):
+        if offload is None:
+            yield engine
+            return
+        for hook in offload.forward_hooks:
+            hook.remove()
+        offload.forward_hooks = []
+        try:
+            yield engine
+        finally:
+            offload._register_deepspeed_module(offload.module)
 
 
 def register_external_parameter(module: torch.nn.Module, parameter: torch.nn.Parameter) -> None:
