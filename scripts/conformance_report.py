@@ -60,8 +60,11 @@ def collect(results: Path) -> tuple[dict, list[str]]:
     for module, sides in per_module.items():
         if "deepspeed" in sides:
             ours = sides.get("zerotune", {})
-            table[area_of(module)]["ds_only"] += sum(
-                1 for test, outcome in sides["deepspeed"].items() if outcome == "passed" and ours.get(test) != "passed")
+            only = [test for test, outcome in sides["deepspeed"].items()
+                    if outcome == "passed" and ours.get(test) != "passed"]
+            table[area_of(module)]["ds_only"] += len(only)
+            table[area_of(module)].setdefault("ds_only_tests", []).extend(
+                f"{module}: {test} (zerotune: {ours.get(test, 'not collected')})" for test in only)
     return table, missing
 
 
@@ -91,12 +94,18 @@ def render(table: dict, missing: list[str]) -> str:
 
 
 def main(argv: list[str]) -> int:
+    list_ds_only = "--list-ds-only" in argv
+    argv = [arg for arg in argv if arg != "--list-ds-only"]
     if len(argv) != 1 or not Path(argv[0]).is_dir():
-        print("usage: python scripts/conformance_report.py RESULTS_DIR (written by scripts/deepspeed_conformance.sh)",
+        print("usage: python scripts/conformance_report.py RESULTS_DIR [--list-ds-only] (RESULTS_DIR written by "
+              "scripts/deepspeed_conformance.sh; --list-ds-only names each test only DeepSpeed passed)",
               file=sys.stderr)
         return 2
     table, missing = collect(Path(argv[0]))
     sys.stdout.write(render(table, missing))
+    if list_ds_only:
+        tests = [test for area in sorted(table) for test in table[area].get("ds_only_tests", [])]
+        sys.stdout.write("\nPassed by DeepSpeed only:\n" + "".join(f"- {test}\n" for test in tests))
     return 0
 
 
