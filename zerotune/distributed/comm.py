@@ -349,7 +349,7 @@ def _settle(guard: CollectiveGuard) -> None:
             pending.work.wait()
             problems = guard.disagreements(pending.rows.view(world, -1))
             if problems:
-                described: list[object] = [None] * world
+                described: list[dict] = [{}] * world  # placeholders: all_gather_object replaces each
                 dist.all_gather_object(described, guard.describe(phase, pending.step, pending.micro_step),
                                        group=group)
     except Exception as error:  # noqa: BLE001 - re-raised with context
@@ -373,7 +373,7 @@ def check_same_setup(config: dict, model_signature: list[str], model_peers: tupl
     group = guard.group
     if group is None:
         return
-    setups: list[object] = [None] * dist.get_world_size(group)
+    setups: list[dict] = [{}] * dist.get_world_size(group)  # placeholders: all_gather_object replaces each
     try:
         with _watched_only("initialize: compare configs", len(setups)):
             dist.all_gather_object(setups, {"config": config, "model": model_signature, "peers": model_peers},

@@ -151,12 +151,11 @@ def reduce_scatter(output: torch.Tensor, inputs: list[torch.Tensor], group: dist
     """Rank r's ``output`` = the sum over ranks of their ``inputs[r]``; top-k over all of a rank's inputs."""
     numel = sum(i.numel() for i in inputs)
     sparse = compressor.compresses(numel)
-    flat = torch.cat([i.reshape(-1) for i in inputs]) if sparse else None
     compressor.stats.dense_bytes += numel * inputs[0].element_size()
     if not sparse:
         compressor.stats.sent_bytes += numel * inputs[0].element_size()
         return comm.reduce_scatter(output, inputs, group, async_op=async_op)
-    summed = _gather_sparse(compressor, key, flat, group)
+    summed = _gather_sparse(compressor, key, torch.cat([i.reshape(-1) for i in inputs]), group)
     rank = 0 if group is None else dist.get_rank(group)
     start = sum(i.numel() for i in inputs[:rank])
     output.copy_(summed[start:start + output.numel()].view_as(output))

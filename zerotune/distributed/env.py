@@ -210,6 +210,7 @@ def init_distributed(
         return current_env()
     if dist_init_required is False:
         raise DistributedSetupError("dist_init_required=False but torch.distributed is not initialized")
+    launched: tuple[int, int, int] | None
     if rank >= 0 and world_size > 0:
         if rank >= world_size:
             raise DistributedSetupError(f"rank={rank} is outside [0, world_size={world_size})")
@@ -231,12 +232,10 @@ def init_distributed(
         init_method = "env://"
     for name, value in (("RANK", rank), ("WORLD_SIZE", world_size), ("LOCAL_RANK", local_rank)):
         os.environ.setdefault(name, str(value))
-    rendezvous = {"init_method": init_method}
+    store = None
     if init_method == "env://" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-        rendezvous = {"store": _attempt_store(world_size, timeout)}
-    dist.init_process_group(
-        backend, rank=rank, world_size=world_size, timeout=timeout, **rendezvous,
-        **({"device_id": device} if device.type == "cuda" else {}),
-    )
+        store, init_method = _attempt_store(world_size, timeout), None  # the agent's store replaces env://
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout, device_id=device if device.type == "cuda" else None)
     _EXIT_RELEASE.arm()
     return DistEnv(rank, world_size, local_rank, device, backend)

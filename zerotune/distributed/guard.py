@@ -37,6 +37,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from datetime import timedelta
+from types import FrameType
 from typing import Any, Iterable
 
 import torch
@@ -113,7 +114,8 @@ class CollectiveGuard:
         """Benchmarks set a list: per settled point (arrived, launch seconds, wait start, wait end), perf_counter
         times, which is one clock for every process of a machine."""
         self._logs: dict[str, GroupLog] = {}
-        self._names: dict[int, tuple[Any, str]] = {}  # id(group) -> (group, log name)
+        # id(group) -> (group, log name, its ranks)
+        self._names: dict[int, tuple[dist.ProcessGroup | None, str, tuple[int, ...]]] = {}
 
     @property
     def active(self) -> bool:
@@ -344,7 +346,7 @@ _LAYER_FILES = ("distributed/comm.py", "compat/comm.py", "distributed/guard.py",
 def call_site() -> str:
     """The first frame outside the collective layer, as a path inside the package (or the script's file
     name), so it reads -- and hashes -- the same on every rank wherever zerotune is installed."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.endswith(_LAYER_FILES):
         frame = frame.f_back
     if frame is None:

@@ -125,12 +125,14 @@ class Watchdog:
                     if entry.handle is not None and _completed(entry.handle()):
                         del self._pending[token]
                 overdue = [e for e in self._pending.values() if now - e.started > e.timeout_s]
-                oldest = min(self._pending.items(), key=lambda item: item[1].started, default=(None, None))
+                oldest: tuple[int | None, _Pending | None] = min(self._pending.items(), default=(None, None),
+                                                                 key=lambda item: item[1].started)
             if overdue:
                 self._fire(min(overdue, key=lambda e: e.started), now)
-            token, entry = oldest
+            oldest_token, oldest_entry = oldest
+            waited = now - oldest_entry.started if oldest_entry is not None else 0.0
             try:
-                verdict = self._stall_notes.tick(token, entry, now - entry.started if entry is not None else 0.0)
+                verdict = self._stall_notes.tick(oldest_token, oldest_entry, waited)
             except Exception:  # noqa: BLE001 - the store's trouble is never a reason to end a run
                 verdict = None
             if verdict is not None:
