@@ -56,7 +56,9 @@ def _listed(ranks: list[int] | None) -> tuple[bool, int]:
     if not dist.is_initialized():
         return True, -1
     rank = dist.get_rank()
-    return bool(ranks) and (ranks[0] == -1 or rank in set(ranks)), rank
+    if not ranks:
+        return False, rank
+    return ranks[0] == -1 or rank in set(ranks), rank
 
 
 def log_dist(message: str, ranks: list[int] | None = None, level: int = logging.INFO) -> None:

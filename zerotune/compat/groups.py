@@ -20,12 +20,20 @@ def _group(axis: str) -> dist.ProcessGroup:
     mesh = latest_mesh()
     if mesh is None:
         if axis == "dp":
-            return dist.group.WORLD
+            return _world()
         return _singleton_group()
     group = mesh.group(axis)
     if group is None:
-        return dist.group.WORLD if dist.get_world_size() == 1 else _singleton_group()
+        return _world() if dist.get_world_size() == 1 else _singleton_group()
     return group
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("deepspeed.utils.groups: torch.distributed is not initialized; call "
+                           "deepspeed.init_distributed() or deepspeed.initialize() first")
+    return world
 
 
 def _singleton_group() -> dist.ProcessGroup:

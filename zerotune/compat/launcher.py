@@ -126,8 +126,9 @@ def launch_arguments(args: argparse.Namespace) -> tuple[list[str], dict[str, str
     if not devices:
         raise SystemExit("deepspeed (zerotune): no device is left to run on after --include / --exclude")
     environment = _deepspeed_env_file()
-    if (args.include or args.exclude) and _accelerator_visibility_variable():
-        environment[_accelerator_visibility_variable()] = ",".join(map(str, devices))
+    visibility = _accelerator_visibility_variable()
+    if (args.include or args.exclude) and visibility is not None:
+        environment[visibility] = ",".join(map(str, devices))
     run_args = ["--as-deepspeed", *(["--no_local_rank"] if args.no_local_rank else []),
                 "--nproc_per_node", str(len(devices)), "--master_port", str(args.master_port),
                 *(["--master_addr", args.master_addr] if args.master_addr else []),

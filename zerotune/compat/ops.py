@@ -9,7 +9,7 @@ defaults (``adam_w_mode`` / ``adamw_mode`` true: decoupled weight decay, weight 
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
@@ -25,6 +25,12 @@ def _check_bias_correction(cls: str, bias_correction: bool) -> None:
                          "moment bias; remove the argument or pass True")
 
 
+def _beta_pair(betas: Sequence[float]) -> tuple[float, float]:
+    """``betas`` as the pair torch's optimizers take (DeepSpeed's callers pass lists too)."""
+    beta1, beta2 = betas
+    return beta1, beta2
+
+
 class FusedAdam(torch.optim.Adam):
     """DeepSpeed's FusedAdam signature over ``torch.optim.Adam``."""
 
@@ -32,7 +38,7 @@ class FusedAdam(torch.optim.Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, adam_w_mode: bool = True,
                  weight_decay: float = 0.0, amsgrad: bool = False, set_grad_none: bool = True) -> None:
         _check_bias_correction(type(self).__name__, bias_correction)
-        super().__init__(params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+        super().__init__(params, lr=lr, betas=_beta_pair(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          decoupled_weight_decay=adam_w_mode)
 
 
@@ -43,7 +49,7 @@ class DeepSpeedCPUAdam(torch.optim.Adam):
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  amsgrad: bool = False, adamw_mode: bool = True, fp32_optimizer_states: bool = True) -> None:
         _check_bias_correction(type(self).__name__, bias_correction)
-        super().__init__(model_params, lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+        super().__init__(model_params, lr=lr, betas=_beta_pair(betas), eps=eps, weight_decay=weight_decay,
                          amsgrad=amsgrad, decoupled_weight_decay=adamw_mode)
 
 
@@ -57,7 +63,7 @@ class FusedLamb(Lamb):
         if amsgrad:
             raise ValueError("FusedLamb(amsgrad=True) is not supported (nor by DeepSpeed's kernel)")
         del max_grad_norm  # DeepSpeed's kernel ignores it too: clipping is the engine's gradient_clipping
-        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=tuple(betas), eps=eps,
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=_beta_pair(betas), eps=eps,
                          eps_inside_sqrt=eps_inside_sqrt, weight_decay=weight_decay, max_coeff=max_coeff,
                          min_coeff=min_coeff)
 

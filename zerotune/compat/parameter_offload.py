@@ -48,7 +48,8 @@ class DeepSpeedZeRoOffload:
         self._stage = stage
         for submodule in module.modules():
             if not hasattr(submodule, "ds_external_parameters"):
-                submodule.ds_external_parameters = _ExternalParameters(submodule)
+                # DeepSpeed's method hung on each module: a callable object, not a tensor or submodule
+                submodule.ds_external_parameters = _ExternalParameters(submodule)  # type: ignore[assignment]
 
     @property
     def forward_hooks(self) -> list[Any]:

@@ -104,11 +104,12 @@ def find_real_deepspeed(search: list[str] | None = None) -> RealDeepSpeed | None
     package = Path(spec.origin).parent if spec is not None and spec.origin not in (None, "namespace") else None
     context = importlib.metadata.DistributionFinder.Context(name="deepspeed", path=search)
     dist = next(iter(importlib.machinery.PathFinder.find_distributions(context)), None)
-    if package is None and dist is None:
-        return None
     version = dist.version if dist is not None else None
-    where = package if package is not None else getattr(dist, "_path", None) or dist.locate_file("")
-    return RealDeepSpeed(str(where), version)
+    if package is not None:
+        return RealDeepSpeed(str(package), version)
+    if dist is not None:
+        return RealDeepSpeed(str(getattr(dist, "_path", None) or dist.locate_file("")), version)
+    return None
 
 
 def install_hook(target: str | os.PathLike | None = None, force: bool = False) -> str:

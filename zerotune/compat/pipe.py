@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import itertools
 from collections import namedtuple
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from zerotune.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 from zerotune.pipe.engine import PipelineEngine
 
 __all__ = ["PipelineModule", "LayerSpec", "TiedLayerSpec", "PipelineEngine", "ProcessTopology",
            "PipeDataParallelTopology", "PipeModelDataParallelTopology"]
+
+
+def _coordinate_class(axes: Sequence[str]) -> Callable[..., tuple[int, ...]]:
+    """DeepSpeed's ``topology.ProcessCoord``: a namedtuple whose fields are the axes, known at run time only."""
+    return namedtuple("ProcessCoord", axes)
 
 
 class ProcessTopology:
@@ -23,7 +28,7 @@ class ProcessTopology:
         if len(axes) != len(dims) or any(not isinstance(d, int) or d < 1 for d in dims):
             raise ValueError(f"ProcessTopology needs one positive size per axis; got axes={axes}, dims={dims}")
         self.axes, self.dims = list(axes), list(dims)
-        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)
+        self.ProcessCoord = _coordinate_class(self.axes)
         self.mapping = {self.ProcessCoord(*coord): rank
                         for rank, coord in enumerate(itertools.product(*(range(d) for d in dims)))}
 

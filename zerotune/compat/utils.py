@@ -64,7 +64,7 @@ def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type |
         names = [c if isinstance(c, str) else c.__name__ for c in leaf_module_classes]
         raise ValueError(f"set_z3_leaf_modules: no module of class {', '.join(names)} in {type(model).__name__}")
     for module in leaves:
-        module._z3_leaf = True
+        module._z3_leaf = True  # type: ignore[assignment]  # DeepSpeed's flag: a plain bool on the module
     return leaves
 
 
@@ -74,7 +74,7 @@ def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type
     if not leaves and raise_if_not_found:
         raise ValueError(f"unset_z3_leaf_modules: no module of the given classes in {type(model).__name__}")
     for module in leaves:
-        module._z3_leaf = False
+        module._z3_leaf = False  # type: ignore[assignment]  # (as in set_z3_leaf_modules)
     return leaves
 
 
