@@ -30,7 +30,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -62,7 +62,8 @@ class ZeroStageEnum(enum.IntEnum):
     weights = 3
 
 
-SAFE_GLOBALS: list[tuple[Any, str]] = [
+# Each class with the name DeepSpeed pickles it under, in the type torch.serialization.safe_globals takes.
+SAFE_GLOBALS: list[Callable[..., Any] | tuple[Callable[..., Any], str]] = [
     (LossScaler, "deepspeed.runtime.fp16.loss_scaler.LossScaler"),
     (DynamicLossScaler, "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler"),
     (ZeroStageEnum, "deepspeed.runtime.zero.config.ZeroStageEnum"),
@@ -294,7 +295,9 @@ def as_piece_reader(checkpoint: DeepSpeedCheckpoint, directory: Path) -> Any:
     covering it -- so ``engine.load_checkpoint`` loads it at any zerotune layout like one of its own."""
     from zerotune.checkpoint.logical import OPTIM, PieceReader
 
-    entries, tensors, scalars = [], {}, {}
+    entries: list[dict[str, Any]] = []
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, dict[str, torch.Tensor]] = {}
     for name, states in checkpoint.optimizer_state.items():
         for key, tensor in states.items():
             tensors[f"t{len(entries)}"] = tensor.reshape(-1)

@@ -21,6 +21,7 @@ import json
 import random
 import re
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -31,6 +32,18 @@ from zerotune.parallel.tensor.state_dict import iter_full_tensors
 from zerotune.zero.stage3.sharded_param import sharded_param_of
 
 MODEL_FILE_PATTERN = re.compile(r"model_states(_stage\d+)?\.pt")
+
+
+@runtime_checkable
+class ErrorFeedbackOptimizer(Protocol):
+    """An optimizer with per-rank error-feedback state (OneBitAdam): saved in ``compression_rank{r}.pt``."""
+
+    @property
+    def takes_local_gradients(self) -> bool: ...
+
+    def error_state_dict(self) -> dict: ...
+
+    def load_error_state_dict(self, state: dict, device: torch.device) -> None: ...
 
 
 def stage_part(train: TrainState) -> str:
@@ -51,7 +64,7 @@ def compression_state(train: TrainState) -> dict:
     state = {}
     if train.compressor is not None:
         state["topk"] = train.compressor.state_dict()
-    if hasattr(train.optimizer, "error_state_dict"):
+    if isinstance(train.optimizer, ErrorFeedbackOptimizer):
         state["onebit"] = train.optimizer.error_state_dict()
     return state
 
@@ -59,7 +72,7 @@ def compression_state(train: TrainState) -> dict:
 def load_compression_state(train: TrainState, saved: dict) -> None:
     if train.compressor is not None and "topk" in saved:
         train.compressor.load_state_dict(saved["topk"], train.device)
-    if hasattr(train.optimizer, "load_error_state_dict") and "onebit" in saved:
+    if isinstance(train.optimizer, ErrorFeedbackOptimizer) and "onebit" in saved:
         train.optimizer.load_error_state_dict(saved["onebit"], train.device)
         train.stage.use_local_gradients(train.optimizer.takes_local_gradients)
 
@@ -70,11 +83,20 @@ def rng_file(rank: int) -> str:
 
 def rng_state() -> dict:
     """Every generator, as tensors, numbers and tuples only (so it loads with ``weights_only``)."""
-    name, keys, position, has_gauss, cached = np.random.get_state()
+    name, keys, position, has_gauss, cached = _numpy_state()
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "numpy": (name, torch.from_numpy(keys.astype(np.int64)), int(position), int(has_gauss), float(cached))}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _numpy_state() -> tuple[str, np.ndarray, int, int, float]:
+    """NumPy's global generator state as its legacy tuple (the global generator is always MT19937, which has one)."""
+    state = np.random.get_state(legacy=True)
+    if isinstance(state, dict):
+        raise CheckpointError(f"NumPy's global generator is {state.get('bit_generator')}, not MT19937: its state "
+                              "cannot be saved as the legacy tuple")
     return state
 
 
@@ -129,7 +151,7 @@ def model_description(module: torch.nn.Module) -> dict:
     ``zerotune export`` can write ``config.json`` / ``adapter_config.json`` from the checkpoint alone."""
     description = {}
     config = getattr(module, "config", None)
-    if hasattr(config, "to_json_string"):
+    if config is not None and hasattr(config, "to_json_string"):
         description["hf_config"] = config.to_json_string(use_diff=False)
     peft = getattr(module, "peft_config", None)
     if isinstance(peft, dict):

@@ -119,7 +119,7 @@ def _write_checkpoint(train: TrainState, save_dir: str, tag: str | None, client_
     first_replica = train.mesh.rank("dp_sp") == 0  # the tp ranks of each stage's first model replica
     weights = module_state(train) if first_replica else None
     extra = {}
-    if exclude_frozen and not train.stage.partitions_weights and first_replica and frozen_names(train):
+    if exclude_frozen and not train.stage.partitions_weights and weights is not None and frozen_names(train):
         extra["frozen_fingerprint"] = frozen_fingerprint(train, weights)
         weights = {k: v for k, v in weights.items() if k not in set(frozen_names(train))}
     if first_replica and train.mesh.rank("tp") == 0:

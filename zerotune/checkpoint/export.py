@@ -128,7 +128,7 @@ def _merged_items(reader: PieceReader, order: list[str], peft: dict) -> Iterator
         raise ExportError(f"--merge folds LoRA adapters into the base weights; this checkpoint's adapter is "
                           f"{peft.get('peft_type')}{' (DoRA)' if peft.get('use_dora') else ''}: export the adapter "
                           "without --merge")
-    adapters = {}
+    adapters: dict[str, dict[str, str]] = {}  # the adapted module -> {'A': name, 'B': name}
     for name in order:
         match = _LORA.fullmatch(name)
         if match:
@@ -170,6 +170,7 @@ def export_checkpoint(source: Path, out_dir: Path, *, dtype: str | None = None, 
         raise ExportError(f"--dtype {dtype!r} is not one of {sorted(DTYPES)}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise ExportError(f"output directory {out_dir} exists and is not empty: choose a new directory")
+    saved: dict  # the model-states metadata (a DeepSpeed checkpoint has none zerotune reads)
     if is_deepspeed_checkpoint(source):
         loaded = read_deepspeed_checkpoint(source)
         reader, saved, order = PieceReader(source, loaded.weights, {}), {}, list(loaded.weights)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Iterable
+from typing import AbstractSet, Iterable
 
 import torch
 
@@ -103,7 +103,8 @@ class PieceReader:
     def local(self, name: str, kind: str, param: torch.Tensor) -> torch.Tensor:
         """The flattened values of ``param``'s tensor-parallel piece (the whole tensor without tp) of ``kind``."""
         target = tp_layout_of(param)
-        cache_key = (name, kind, tp_of(param) and tuple(tp_of(param)))
+        piece = tp_of(param)
+        cache_key = (name, kind, tuple(piece) if piece is not None else None)
         if self._cache is not None and self._cache[0] == cache_key:
             return self._cache[1]
         if kind == WEIGHT and name in self.whole:
@@ -148,7 +149,7 @@ class PieceReader:
 
 
 # ---- a train state against a reader: check first, then load -------------------------------------
-def _module_entries(train: TrainState, skip: set[str]) -> list[tuple[str, str, torch.Tensor]]:
+def _module_entries(train: TrainState, skip: AbstractSet[str]) -> list[tuple[str, str, torch.Tensor]]:
     """``(state-dict key, name to look up, live tensor)`` of the module; a tied weight's second key looks up
     the name its parameter was saved under."""
     entries = []
@@ -158,11 +159,19 @@ def _module_entries(train: TrainState, skip: set[str]) -> list[tuple[str, str, t
     return entries
 
 
+def _optimizer(train: TrainState) -> torch.optim.Optimizer:
+    """The optimizer whose state is checked or loaded (callers ask only when the engine has one)."""
+    if train.optimizer is None:
+        raise CheckpointError("loading optimizer states needs an optimizer, and this engine has none "
+                              "(load_optimizer_states=False loads the weights only)")
+    return train.optimizer
+
+
 def _lookup(reader: PieceReader, key: str, name: str) -> str:
     return key if reader.has(key, WEIGHT) or reader.has(key, MASTER) else name
 
 
-def check_fits(train: TrainState, reader: PieceReader, *, strict: bool, skip: set[str], with_optimizer: bool,
+def check_fits(train: TrainState, reader: PieceReader, *, strict: bool, skip: AbstractSet[str], with_optimizer: bool,
                saved_groups: list | None) -> list[tuple[str, str]]:
     """Refuse a checkpoint that does not fit this train state -- one line naming the first parameter whose name or
     shape does not match -- and return the ``(name, kind)`` pieces this rank will read."""
@@ -187,7 +196,7 @@ def check_fits(train: TrainState, reader: PieceReader, *, strict: bool, skip: se
             raise CheckpointError(f"{reader.directory} does not fit this model: '{unexpected[0]}' is in the "
                                   "checkpoint but not in the model")
     if with_optimizer:
-        groups = train.optimizer.param_groups
+        groups = _optimizer(train).param_groups
         if saved_groups is not None and len(saved_groups) != len(groups):
             raise CheckpointError(f"{reader.directory} holds {len(saved_groups)} optimizer parameter groups; this "
                                   f"run has {len(groups)} (load_optimizer_states=False loads the weights only)")
@@ -204,7 +213,7 @@ def check_fits(train: TrainState, reader: PieceReader, *, strict: bool, skip: se
 
 
 @torch.no_grad()
-def load_weights(train: TrainState, reader: PieceReader, skip: set[str] = frozenset()) -> None:
+def load_weights(train: TrainState, reader: PieceReader, skip: AbstractSet[str] = frozenset()) -> None:
     """Every weight and buffer of this rank, at its layout (checked by ``check_fits``): the module's own
     tensors here, the partitioned ones (stage 3) by the state; the masters follow the weights."""
     for key, name, tensor in _module_entries(train, skip):
@@ -219,6 +228,7 @@ def load_weights(train: TrainState, reader: PieceReader, skip: set[str] = frozen
 def load_optimizer_state(train: TrainState, reader: PieceReader, saved_groups: list | None) -> None:
     """The fp32 masters and optimizer state of every master this rank holds (``ZeroState.load_state_dict``),
     then the groups' settings."""
-    train.stage.load_state_dict(reader, train.optimizer, train.param_names, weights=False)
-    for group, saved in zip(train.optimizer.param_groups, saved_groups or []):
+    optimizer = _optimizer(train)
+    train.stage.load_state_dict(reader, optimizer, train.param_names, weights=False)
+    for group, saved in zip(optimizer.param_groups, saved_groups or []):
         group.update({k: v for k, v in saved.items() if k != "params"})

@@ -29,7 +29,7 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -47,6 +47,7 @@ from zerotune.distributed.guard_stall import published_verdict
 from zerotune.distributed.watchdog import WATCHDOG
 
 ReduceOp = dist.ReduceOp
+_Gathered = TypeVar("_Gathered")  # what each rank contributes to all_gather_object
 
 
 class CommError(RuntimeError):
@@ -279,11 +280,12 @@ def recv(tensor: torch.Tensor, src: int, tag: int = 0) -> None:
         raise _describe_failure(f"recv from rank {src}", None, error) from error
 
 
-def all_gather_object(obj: object, group: dist.ProcessGroup | None) -> list[object]:
-    """Small Python objects from every rank (configs, shapes, checks); not counted as tensor traffic."""
+def all_gather_object(obj: _Gathered, group: dist.ProcessGroup | None) -> list[_Gathered]:
+    """Small Python objects from every rank (configs, shapes, checks), each rank's of the same type; not counted as
+    tensor traffic."""
     if group is None:
         return [obj]
-    gathered: list[object] = [None] * dist.get_world_size(group)
+    gathered = [obj] * dist.get_world_size(group)  # placeholders: all_gather_object replaces each
     settle_guard()
     try:
         with _watched("all_gather_object", group, len(gathered), 0):
