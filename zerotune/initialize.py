@@ -13,7 +13,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from zerotune.config import ConfigError
+from zerotune.config import ConfigError, resolved
 from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.distributed.env import DEFAULT_PORT
 from zerotune.engine import Engine
@@ -27,6 +27,7 @@ from zerotune.initialize_phases import (
 )
 from zerotune.monitor.logging import log_rank0
 from zerotune.parallel.activation_checkpointing import policy_from_section
+from zerotune.pipe.engine import PipelineEngine
 from zerotune.pipe.module import PipelineModule
 
 
@@ -50,7 +51,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
                model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = DEFAULT_PORT, mpu: Any = None, dist_init_required: bool | None = None,
                collate_fn: Callable | None = None, config: Any = None, mesh_param: Any = None,
-               config_params: Any = None) -> tuple[Engine, Any, Any, Any]:
+               config_params: Any = None) -> tuple[Engine | PipelineEngine, Any, Any, Any]:
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``. The phases
     are in ``initialize_phases.py``; each returns one typed piece of the assembly."""
     if model is None:
@@ -66,7 +67,9 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     cfg, env = setup.cfg, setup.env
     # This engine's own guards (distributed/engine_guards.py): its collective guard, its watchdog timeout, and
     # the activation-checkpointing policy its checkpoint(...) calls and wrapped blocks follow.
-    guards = EngineGuards.start(collective_guard=cfg.collective_guard, comm_timeout_s=cfg.comm_timeout_s,
+    comm_timeout_s = None if cfg.comm_timeout_s is None else resolved(cfg.comm_timeout_s, "comm_timeout_s")
+    guards = EngineGuards.start(collective_guard=resolved(cfg.collective_guard, "collective_guard"),
+                                comm_timeout_s=comm_timeout_s,
                                 checkpoint_policy=policy_from_section(cfg.activation_checkpointing),
                                 config=setup.raw.model_dump(mode="json"), mesh=setup.mesh, model=model, rank=env.rank,
                                 stage_local=isinstance(model, PipelineModule))

@@ -48,12 +48,14 @@ def check_model_parallel_composes(cfg: Any, mesh: ProcessMesh) -> None:
 
 def split_tensor_parallel(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, rank: int) -> None:
     """Tensor parallelism (AutoTP), applied in place before any state is built."""
-    if mesh.size("tp") > 1:
-        partition = cfg.tensor_parallel.partition_config
-        split = apply_autotp(model, mesh.group("tp"), layer_specs=rules_from_config(partition.layer_specs),
-                             use_default_specs=bool(partition.use_default_specs))
-        log_rank0("tensor parallelism: %d layer(s) split over %d ranks (%s, ...)", len(split), mesh.size("tp"),
-                  ", ".join(f"{layer.name}: {layer.kind}" for layer in split[:3]), rank=rank)
+    tp_group = mesh.group("tp")
+    if tp_group is None:  # (a tensor-parallel size of 1)
+        return
+    partition = cfg.tensor_parallel.partition_config
+    split = apply_autotp(model, tp_group, layer_specs=rules_from_config(partition.layer_specs),
+                         use_default_specs=bool(partition.use_default_specs))
+    log_rank0("tensor parallelism: %d layer(s) split over %d ranks (%s, ...)", len(split), mesh.size("tp"),
+              ", ".join(f"{layer.name}: {layer.kind}" for layer in split[:3]), rank=rank)
 
 
 def install_sequence_parallel(model: torch.nn.Module, mesh: ProcessMesh, *, rank: int) -> None:

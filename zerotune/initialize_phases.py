@@ -16,7 +16,14 @@ from typing import Any, Callable
 
 import torch
 
-from zerotune.config import ConfigError, NotSupportedYetError, assert_implemented, load_config, resolve_config
+from zerotune.config import (
+    ConfigError,
+    NotSupportedYetError,
+    assert_implemented,
+    load_config,
+    resolve_config,
+    resolved,
+)
 from zerotune.config.schema import ZeroTuneConfig
 from zerotune.curriculum.data_sampling import DataCurriculum
 from zerotune.distributed import comm
@@ -120,7 +127,8 @@ def configure_run(source: Any, model: torch.nn.Module, *, dist_init_required: bo
                   rank=env.rank)
     cfg = resolve_config(raw, dp_world_size=mesh.size("dp"), auto_values=auto_values)
     assert_implemented(cfg, zero_stages=IMPLEMENTED_ZERO_STAGES)
-    policy = policy_from_flags(fp16=cfg.fp16.enabled, bf16=cfg.bf16.enabled)
+    policy = policy_from_flags(fp16=resolved(cfg.fp16.enabled, "fp16.enabled"),
+                               bf16=resolved(cfg.bf16.enabled, "bf16.enabled"))
     pipelined = isinstance(model, PipelineModule) or mesh.size("pp") > 1
     return RunSetup(raw, cfg, env, mesh, policy, pipelined)
 
@@ -179,7 +187,7 @@ def build_stage(setup: RunSetup, placed: PlacedModel, client_optimizer: Any, mod
                   "set requires_grad=False to save their gradient memory", len(omitted), omitted[0], rank=rank)
     compressor = gradient_compressor(setup.cfg)
     state = build_zero_state(setup.cfg, groups, trainable, setup.policy, setup.mesh, model, compressor, rank=rank,
-                             norm=model_parallel_norm(setup.mesh, model if setup.pipelined else None))
+                             norm=model_parallel_norm(setup.mesh, model if isinstance(model, PipelineModule) else None))
     return StagePiece(state, groups, compressor)
 
 
@@ -197,7 +205,8 @@ def build_training(setup: RunSetup, stage: StagePiece, client_optimizer: Any, cl
                                                      "per-parameter trust ratios need whole parameters; use stage 0 "
                                                      "or Adam/AdamW")
     if cfg.lr_scaling is not None and optimizer is not None:
-        factor = apply_lr_scaling(optimizer, cfg.lr_scaling.rule, cfg.train_batch_size, cfg.lr_scaling.base_batch_size)
+        factor = apply_lr_scaling(optimizer, cfg.lr_scaling.rule, resolved(cfg.train_batch_size, "train_batch_size"),
+                                  resolved(cfg.lr_scaling.base_batch_size, "lr_scaling.base_batch_size"))
         log_rank0("lr_scaling: %s rule x%g (train_batch_size %d / base_batch_size %d), lr now %s",
                   cfg.lr_scaling.rule, factor, cfg.train_batch_size, cfg.lr_scaling.base_batch_size,
                   [g["lr"] for g in optimizer.param_groups], rank=rank)
@@ -208,20 +217,23 @@ def build_training(setup: RunSetup, stage: StagePiece, client_optimizer: Any, cl
 
 def assemble_engine(setup: RunSetup, placed: PlacedModel, stage: StagePiece, training: Training, *,
                     training_data: Any, collate_fn: Callable | None, client_optimizer: Any,
-                    guards: EngineGuards) -> Engine:
+                    guards: EngineGuards) -> Engine | PipelineEngine:
     """The engine over the pieces (a ``PipelineEngine`` for a pipelined model), with its data loader."""
     cfg, env, mesh = setup.cfg, setup.env, setup.mesh
-    curriculum = DataCurriculum.from_config(cfg.data_efficiency, cfg.gradient_accumulation_steps, env.rank)
-    engine_class, extra = ((PipelineEngine, {"tie_groups": placed.tie_groups, "batch_fn": placed.batch_fn})
-                           if setup.pipelined else (Engine, {}))
-    return engine_class(
-        **extra, module=placed.module, config=cfg, env=env, mesh=mesh, policy=setup.policy, state=stage.state,
+    gas = resolved(cfg.gradient_accumulation_steps, "gradient_accumulation_steps")
+    micro_batch = resolved(cfg.train_micro_batch_size_per_gpu, "train_micro_batch_size_per_gpu")
+    curriculum = DataCurriculum.from_config(cfg.data_efficiency, gas, env.rank)
+    core: dict[str, Any] = dict(  # EngineCore's keyword arguments
+        module=placed.module, config=cfg, env=env, mesh=mesh, policy=setup.policy, state=stage.state,
         optimizer=training.optimizer, lr_scheduler=training.lr_scheduler, loss_scaler=training.loss_scaler,
         param_names={id(p): n for n, p in placed.module.named_parameters()},
-        training_dataloader=build_dataloader(training_data, mesh, cfg.train_micro_batch_size_per_gpu, collate_fn,
-                                             cfg.dataloader_drop_last, curriculum),
+        training_dataloader=build_dataloader(training_data, mesh, micro_batch, collate_fn,
+                                             resolved(cfg.dataloader_drop_last, "dataloader_drop_last"), curriculum),
         compressor=stage.compressor, guards=guards,
         client_optimizer=client_optimizer if isinstance(client_optimizer, torch.optim.Optimizer) else None)
+    if setup.pipelined:
+        return PipelineEngine(tie_groups=placed.tie_groups, batch_fn=placed.batch_fn, **core)
+    return Engine(**core)
 
 
 def _auto_values(raw: Any, model: torch.nn.Module) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from .errors import ConfigError, NotSupportedError, NotSupportedYetError
 from .implemented import assert_implemented
 from .loading import load_config
 from .report import format_resolved
-from .resolve import resolve_config
+from .resolve import resolve_config, resolved
 from .schema import UNSUPPORTED_BLOCKS, ZeroTuneConfig
 from .sections import (
     ActivationCheckpointingConfig,
@@ -60,5 +60,6 @@ __all__ = [
     "format_resolved",
     "load_config",
     "resolve_config",
+    "resolved",
     "solve_batch",
 ]

@@ -7,7 +7,7 @@ Resolution works on the plain dict and re-validates it, so a value supplied thro
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from .batch import BATCH_KEYS, solve_batch
 from .errors import ConfigError
@@ -15,9 +15,10 @@ from .loading import config_from_dict, load_config
 from .pydantic_errors import show_value
 from .schema import ZeroTuneConfig
 from .tree import NO_DEFAULT, field_default, iter_leaves, set_path
-from .types import AUTO
+from .types import AUTO, Auto
 
 UNRESOLVED = "'auto' could not be resolved; set a value"
+_Leaf = TypeVar("_Leaf")
 
 
 def resolve_config(
@@ -84,6 +85,16 @@ def _resolve_batch(
         if data[key] != value:
             data[key] = value
             provenance[key] = "inferred"
+
+
+def resolved(value: _Leaf | Auto | None, path: str) -> _Leaf:
+    """A leaf of a config ``resolve_config`` returned, typed as what it holds there: no "auto" is left, and the
+    batch triple is solved. (A leaf that may stay None, such as ``comm_timeout_s``, is checked for None first.)"""
+    if value is None:
+        raise ConfigError(path, "has no value: the config was not resolved (resolve_config solves the batch triple)")
+    if value == AUTO:
+        raise ConfigError(path, UNRESOLVED)
+    return value
 
 
 def _checked_batch_value(key: str, value: Any) -> Any:

@@ -10,11 +10,11 @@ for a float. Every numeric and boolean leaf may also hold HF's ``"auto"`` until
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Final, Literal, Optional, Union
 
 from pydantic import BeforeValidator, Field, StrictBool, StrictStr
 
-AUTO = "auto"
+AUTO: Final = "auto"
 Auto = Literal["auto"]
 
 

@@ -275,6 +275,15 @@ def apply_activation_checkpointing(model: torch.nn.Module, policy: CheckpointPol
     return _wrap_blocks(model, policy, modules, engine=None)
 
 
+def _layer_index(block: torch.nn.Module) -> int | None:
+    """The first int ``layer_idx`` among the block's modules (Hugging Face attention layers carry one)."""
+    for module in block.modules():
+        index = getattr(module, "layer_idx", None)
+        if type(index) is int:
+            return index
+    return None
+
+
 def _wrap_blocks(model: torch.nn.Module, policy: CheckpointPolicy | None, modules: Iterable[type | str] | None,
                  engine: GuardScope | None) -> list[str]:
     """``apply_activation_checkpointing``; ``engine``: the engine whose policy the blocks follow (None: the one
@@ -285,8 +294,7 @@ def _wrap_blocks(model: torch.nn.Module, policy: CheckpointPolicy | None, module
     chosen = _evenly_spaced(checkpoint_block_names(model, modules), in_force.number_checkpoints)
     for name in chosen:
         module = model.get_submodule(name)
-        layer_idx = next((m.layer_idx for m in module.modules() if type(getattr(m, "layer_idx", None)) is int), None)
-        state = _Wrapped(name, policy, engine, layer_idx, module.__dict__.get("forward", _ABSENT))
+        state = _Wrapped(name, policy, engine, _layer_index(module), module.__dict__.get("forward", _ABSENT))
         setattr(module, _STATE, state)
         module.forward = types.MethodType(_checkpointed_forward, module)
     return chosen

@@ -28,7 +28,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -90,10 +90,10 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
     """The engine of a ``PipelineModule``: the step core (``engine_core.py``) driven by a pipeline schedule; it has
     no micro-step API (forward / backward / step), as DeepSpeed's."""
 
-    def __init__(self, *, tie_groups: dict[str, dist.ProcessGroup], batch_fn: Callable | None = None,
-                 **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.pipe: PipelineModule = self.module
+    def __init__(self, *, module: PipelineModule, tie_groups: dict[str, dist.ProcessGroup],
+                 batch_fn: Callable | None = None, **kwargs: Any) -> None:
+        super().__init__(module=module, **kwargs)
+        self.pipe = module
         self.tie_groups = tie_groups
         self.batch_fn = batch_fn or default_batch_fn
         self.stage_id = self.mesh.rank("pp")
@@ -104,6 +104,13 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         # (kind, micro-batch, start, end) of each action's computation in the last train_batch (perf_counter: one
         # clock for all processes of a machine), excluding waits for the neighbours -- the bubble benchmark reads it
         self.timeline: list[tuple[str, int, float, float]] = []
+
+    def _neighbour(self, which: Literal["previous", "next"]) -> int:
+        """The global rank of the previous or next stage (the first / last stage has none)."""
+        rank = self._prev if which == "previous" else self._next
+        if rank is None:
+            raise RuntimeError(f"pipeline stage {self.stage_id} of {self.num_stages} has no {which} stage")
+        return rank
 
     # ---- DeepSpeed's pipeline accessors --------------------------------------------------
     def is_first_stage(self) -> bool:
@@ -147,20 +154,21 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
                     losses.append(outputs.detach().float())
                 self.timeline.append(("forward", action.micro_batch, started, time.perf_counter()))
                 if not self.is_last_stage():
-                    sends += send_tensors(as_tuple(outputs), self._next, ACTIVATION_TAG)
+                    sends += send_tensors(as_tuple(outputs), self._neighbour("next"), ACTIVATION_TAG)
                 saved[action.micro_batch] = (inputs, outputs)
             else:
                 backwards_done += 1
                 self.state.begin_micro_step(backwards_done == micro_batches)
                 inputs, outputs = saved.pop(action.micro_batch)
-                grads = None if self.is_last_stage() else recv_tensors(self._next, GRADIENT_TAG, self.device)
+                grads = None if self.is_last_stage() else recv_tensors(self._neighbour("next"), GRADIENT_TAG,
+                                                                       self.device)
                 started = time.perf_counter()
                 self._backward(outputs, grads)
                 self.timeline.append(("backward", action.micro_batch, started, time.perf_counter()))
                 if not self.is_first_stage():
                     input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
                                         for t in inputs if t.requires_grad)
-                    sends += send_tensors(input_grads, self._prev, GRADIENT_TAG)
+                    sends += send_tensors(input_grads, self._neighbour("previous"), GRADIENT_TAG)
         for handle in sends:
             handle.wait()
         mean_loss = self._broadcast_loss(losses, micro_batches)
@@ -192,7 +200,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
             if self.is_last_stage():
                 losses.append(self._loss(outputs, labels).float())
             else:
-                sends += send_tensors(as_tuple(outputs), self._next, ACTIVATION_TAG)
+                sends += send_tensors(as_tuple(outputs), self._neighbour("next"), ACTIVATION_TAG)
         for handle in sends:
             handle.wait()
         self.pipe.train(was_training)
@@ -233,7 +241,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
             if self.policy.mixed:
                 inputs = map_tensors(inputs, lambda t: t.to(self.policy.param_dtype) if t.is_floating_point() else t)
             return as_tuple(inputs), labels
-        received = recv_tensors(self._prev, ACTIVATION_TAG, self.device)
+        received = recv_tensors(self._neighbour("previous"), ACTIVATION_TAG, self.device)
         if not torch.is_grad_enabled():
             received = tuple(t.detach() for t in received)
         return received, labels

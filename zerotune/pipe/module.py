@@ -200,14 +200,13 @@ class PipelineModule(nn.Module):
             if index in self.local_range or not isinstance(layer, nn.Module):
                 continue
             for module in layer.modules():
-                for table in (module._parameters, module._buffers):
-                    for name, tensor in table.items():
-                        if tensor is None or id(tensor) in kept or tensor.device.type == "meta":
-                            continue
-                        released[id(tensor)] = tensor.numel() * tensor.element_size()
-                        empty = torch.empty_like(tensor, device="meta")
-                        table[name] = nn.Parameter(empty, tensor.requires_grad) if isinstance(
-                            tensor, nn.Parameter) else empty
+                for name, param in module._parameters.items():
+                    if param is not None and _release(param, kept, released):
+                        module._parameters[name] = nn.Parameter(torch.empty_like(param, device="meta"),
+                                                                param.requires_grad)
+                for name, buffer in module._buffers.items():
+                    if buffer is not None and _release(buffer, kept, released):
+                        module._buffers[name] = _meta_like(buffer)
         return sum(released.values())
 
     def local_tied_parameters(self) -> dict[str, nn.Parameter]:
@@ -254,6 +253,20 @@ class PipelineModule(nn.Module):
         loads = [sum(self.param_counts[self.parts[s]:self.parts[s + 1]]) for s in range(self.num_stages)]
         return ", ".join(f"stage {s}: layers {self.parts[s]}-{self.parts[s + 1] - 1} ({loads[s]:,} params)"
                          for s in range(self.num_stages))
+
+
+def _release(tensor: torch.Tensor, kept: set[int], released: dict[int, int]) -> bool:
+    """Whether ``tensor`` goes to the meta device (not ``kept``, not there yet); if so, its bytes go to ``released``."""
+    if id(tensor) in kept or tensor.device.type == "meta":
+        return False
+    released[id(tensor)] = tensor.numel() * tensor.element_size()
+    return True
+
+
+def _meta_like(buffer: torch.Tensor) -> torch.Tensor:
+    """An empty copy of ``buffer`` on the meta device (a parameter registered as a buffer stays a parameter)."""
+    empty = torch.empty_like(buffer, device="meta")
+    return nn.Parameter(empty, buffer.requires_grad) if isinstance(buffer, nn.Parameter) else empty
 
 
 def _tied_forward(module: nn.Module, forward_fn: Callable | None) -> Callable:

@@ -62,9 +62,9 @@ class _Keep(comm.Handle):
 def recv_tensors(src: int, tag: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Receive what ``send_tensors`` sent from global rank ``src`` (floating tensors that needed a gradient
     there are marked ``requires_grad`` here, so backward can produce the gradient to send back)."""
-    header = torch.empty(1 + MAX_TENSORS * _SLOT, dtype=torch.int64, device=device)
-    comm.recv(header, src, tag)
-    header = header.cpu().tolist()
+    received = torch.empty(1 + MAX_TENSORS * _SLOT, dtype=torch.int64, device=device)
+    comm.recv(received, src, tag)
+    header: list[int] = received.cpu().tolist()
     tensors = []
     for index in range(header[0]):
         base = 1 + index * _SLOT

@@ -50,7 +50,10 @@ def balanced_boundaries(weights: Sequence[int], parts: int) -> list[int]:
             high = middle
         else:
             low = middle + 1
-    return _greedy(weights, parts, low)
+    boundaries = _greedy(weights, parts, low)
+    if boundaries is None:  # (the search only ever lowers ``high`` to a load that fits, starting from the sum)
+        raise PartitionError(f"no partition of {len(weights)} layers into {parts} stages fits a load of {low}")
+    return boundaries
 
 
 def layer_weights(method: str, param_counts: Sequence[int], class_names: Sequence[str]) -> list[int]:
