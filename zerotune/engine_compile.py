@@ -10,7 +10,9 @@ are refused rather than emulated.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from zerotune.config.sections import TORCH_COMPILE_KWARGS
 from zerotune.monitor.logging import log_rank0
@@ -19,9 +21,17 @@ DEFAULT_BACKEND = "inductor"  # torch.compile's default, and DeepSpeed's acceler
 
 
 class EngineCompile:
-    """Mixed into ``Engine``; relies on its ``module``, ``global_rank`` and ``zero_optimization_partition_weights``."""
+    """Mixed into ``Engine``; relies on the engine's attributes declared below."""
 
     _compiled_with: dict[str, Any] | None = None
+
+    if TYPE_CHECKING:  # set by EngineCore.__init__, or EngineQueries' queries
+        module: torch.nn.Module
+
+        @property
+        def global_rank(self) -> int: ...
+
+        def zero_optimization_partition_weights(self) -> bool: ...
 
     def compile(self, backend: str | Any = DEFAULT_BACKEND, compile_kwargs: dict[str, Any] | None = None,
                 schedule: Any = None, compiled_autograd_enabled: bool = False) -> None:

@@ -24,6 +24,7 @@ import torch
 
 from zerotune.checkpoint.engine_state import load_engine_checkpoint, load_newest_checkpoint, save_engine_checkpoint
 from zerotune.checkpoint.train_state import CheckpointSettings, Counters, TrainState
+from zerotune.config import resolved
 from zerotune.distributed import comm
 from zerotune.distributed.compression import CompressionStats, TopKCompressor
 from zerotune.distributed.engine_guards import EngineGuards
@@ -31,6 +32,7 @@ from zerotune.distributed.env import DistEnv
 from zerotune.distributed.mesh import ProcessMesh
 from zerotune.distributed.streams import phase
 from zerotune.engine_curriculum import EngineCurriculum
+from zerotune.engine_data import EngineDataLoader
 from zerotune.engine_offload_states import FORWARD_NEEDS, StateOffloading
 from zerotune.engine_queries import EngineQueries
 from zerotune.monitor.logging import log_rank0
@@ -83,7 +85,12 @@ def loss_from_output(output: Any) -> torch.Tensor:
 def check_batch_not_empty(inputs: Any, step: int, micro_step: int, rank: int) -> None:
     """A micro-batch whose first tensor has no rows would give a NaN loss (a mean over nothing) and a step."""
     found: list[torch.Tensor] = []
-    map_tensors(inputs, lambda t: found.append(t) or t)
+
+    def collect(tensor: torch.Tensor) -> torch.Tensor:
+        found.append(tensor)
+        return tensor
+
+    map_tensors(inputs, collect)
     first = next((t for t in found if t.dim() > 0), None)
     if first is not None and first.shape[0] == 0:
         raise ValueError(f"empty batch: the micro-batch of optimizer step {step}, micro-step {micro_step}, on rank "
@@ -98,7 +105,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
                  policy: PrecisionPolicy, state: ZeroStage,
                  optimizer: torch.optim.Optimizer | None, lr_scheduler: Any,
                  loss_scaler: StaticLossScaler | DynamicLossScaler, param_names: dict[int, str],
-                 training_dataloader: Any = None, compressor: TopKCompressor | None = None,
+                 training_dataloader: EngineDataLoader | None = None, compressor: TopKCompressor | None = None,
                  client_optimizer: Any = None, guards: EngineGuards | None = None) -> None:
         super().__init__()
         self.guards = guards if guards is not None else EngineGuards.off()
@@ -113,7 +120,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.optimizer = optimizer
         register_owner(module.parameters(), self)  # how deepspeed.utils.safe_get_full_grad(param) & co. find us
         if optimizer is not None:  # DeepSpeed's fp16/ZeRO optimizers' flag, read by DeepSpeed-Chat: the last step
-            optimizer.overflow = False  # overflowed and was skipped (kept by _model_step)
+            optimizer.overflow = False  # type: ignore[attr-defined]  # overflowed and was skipped (see _model_step)
         self.client_optimizer = client_optimizer
         self.lr_scheduler = lr_scheduler
         self.loss_scaler = loss_scaler
@@ -137,8 +144,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self._data_iterator: Iterator | None = None
         self._epoch = 0
         self._post_step_hooks: list[Callable[["EngineCore"], None]] = []
-        self._offloaded: dict = {}  # offload_states: kind -> its move (engine_offload_states.py)
-        self._pinned_host: dict = {}  # kind -> page-locked host buffers kept for the next offload_states
+        self._offloaded = {}  # offload_states: kind -> its move (typed in engine_offload_states.py)
+        self._pinned_host = {}  # kind -> page-locked host buffers kept for the next offload_states
         for extend in _ENGINE_EXTENSIONS:
             extend(self)
 
@@ -181,10 +188,10 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
             norm = scaled_norm / scale
             self._last_grad_norm = norm
             coefficient = 1.0 / scale
-            clip = self._config.gradient_clipping
+            clip = resolved(self._config.gradient_clipping, "gradient_clipping")
             if clip > 0:
                 coefficient *= min(1.0, clip / (norm + 1e-6))
-            self.state.step(self.optimizer, grads, coefficient)
+            self.state.step(self._stepping_optimizer(), grads, coefficient)
             if getattr(self.optimizer, "takes_local_gradients", False):  # OneBitAdam after its warm-up
                 self.state.use_local_gradients(True)
             if self.lr_scheduler is not None:
@@ -193,15 +200,21 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.loss_scaler.update_scale(overflow)
         self._step_applied = not overflow
         if self.optimizer is not None:
-            self.optimizer.overflow = overflow
+            self.optimizer.overflow = overflow  # type: ignore[attr-defined]  # DeepSpeed's flag (see __init__)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         if self.compressor is not None:
-            self._advance_compression(overflow, scale_before)
+            self._advance_compression(self.compressor, overflow, scale_before)
         self._report(overflow)
         self.zero_grad()
         for hook in self._post_step_hooks:
             hook(self)
+
+    def _stepping_optimizer(self) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            raise RuntimeError("an optimizer step needs an optimizer: pass initialize(optimizer=...) or add an "
+                               "'optimizer' block to the config")
+        return self.optimizer
 
     def _skip_non_finite_step(self, norm: float, scale: float) -> None:
         """A non-finite gradient norm skips the step, in every precision. An fp16 overflow is routine while the
@@ -210,8 +223,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         an overflow at the minimum loss scale, stops the run."""
         self.skipped_steps += 1
         self._consecutive_skips += 1
-        limit = self._config.max_consecutive_skipped_steps
-        at_minimum = self.loss_scaler.dynamic and self.loss_scaler.at_minimum
+        limit = resolved(self._config.max_consecutive_skipped_steps, "max_consecutive_skipped_steps")
+        at_minimum = isinstance(self.loss_scaler, DynamicLossScaler) and self.loss_scaler.at_minimum
         routine = self.fp16_enabled() and self.loss_scaler.dynamic
         if routine and not at_minimum and self._consecutive_skips < limit:
             return
@@ -230,10 +243,9 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
                                  "rate (max_consecutive_skipped_steps sets how many skips in a row stop the run)")
         log_rank0("step %d skipped: %s", self.global_steps + 1, cause, rank=self.global_rank, level=logging.WARNING)
 
-    def _advance_compression(self, overflow: bool, scale_before: float) -> None:
+    def _advance_compression(self, compressor: TopKCompressor, overflow: bool, scale_before: float) -> None:
         """Residuals follow the loss scale (they hold scaled gradients) and are dropped after an overflow;
         the achieved compression is logged with the step report."""
-        compressor = self.compressor
         if overflow:
             compressor.drop_residuals()
         elif self.loss_scaler.loss_scale != scale_before:
@@ -268,7 +280,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
             raise ValueError("train_batch() without data_iter needs initialize(training_data=...)")
         while True:
             if self._data_iterator is None:
-                sampler = getattr(self.training_dataloader, "sampler", None)
+                sampler = self.training_dataloader.sampler
                 if hasattr(sampler, "set_epoch"):
                     sampler.set_epoch(self._epoch)
                 self._data_iterator = iter(self.training_dataloader)
@@ -293,10 +305,14 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
             world_size=self.world_size, device=self.device, precision=self.policy.name,
             mixed_precision=self.policy.mixed, zero_stage=self.zero_optimization_stage(),
             gradient_accumulation_steps=self.gradient_accumulation_steps(), config=self.config,
-            settings=CheckpointSettings(tag_validation=self._config.checkpoint.tag_validation,
-                                        keep_last=self._config.checkpoint.keep_last),
+            settings=self._checkpoint_settings(),
             counters=Counters(self.global_steps, self.global_samples, self.micro_steps, self.skipped_steps),
             curriculum=self.curriculum_state(), compressor=self.compressor)
+
+    def _checkpoint_settings(self) -> CheckpointSettings:
+        section = self._config.checkpoint
+        keep_last = None if section.keep_last is None else resolved(section.keep_last, "checkpoint.keep_last")
+        return CheckpointSettings(tag_validation=section.tag_validation, keep_last=keep_last)
 
     def apply_train_state(self, train: TrainState) -> None:
         """Take the counters and the curriculum's position a load restored."""

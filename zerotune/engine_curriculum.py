@@ -16,20 +16,35 @@ difficulty it reached.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
 
 from zerotune.curriculum.data_sampling import DataCurriculum
 from zerotune.curriculum.scheduler import CurriculumScheduler
 from zerotune.curriculum.seqlen import CURRICULUM_KWARG, cut_sequences, takes_curriculum_seqlen
 from zerotune.monitor.logging import log_rank0
 
+if TYPE_CHECKING:
+    from zerotune.config.schema import ZeroTuneConfig
+    from zerotune.engine_data import EngineDataLoader
+
 
 class EngineCurriculum:
-    """Mixed into ``EngineCore``; relies on its ``_config``, ``module``, ``global_steps``, ``global_rank`` and
-    ``training_dataloader``. The scheduler is built on first use from the config (it is pure and cheap)."""
+    """Mixed into ``EngineCore``; relies on the engine's attributes declared below. The scheduler is built on first
+    use from the config (it is pure and cheap)."""
 
     _legacy_scheduler: CurriculumScheduler | None = None
     _passes_curriculum_kwarg: bool | None = None  # decided at the first training forward
+
+    if TYPE_CHECKING:  # set by EngineCore.__init__, or EngineQueries' properties
+        _config: ZeroTuneConfig
+        module: torch.nn.Module
+        global_steps: int
+        training_dataloader: EngineDataLoader | None
+
+        @property
+        def global_rank(self) -> int: ...
 
     # ---- DeepSpeed's accessors -----------------------------------------------------------
     def curriculum_enabled_legacy(self) -> bool:
@@ -39,6 +54,9 @@ class EngineCurriculum:
         """The ``curriculum_learning`` block without ``enabled`` (False when the config has none), as DeepSpeed."""
         if "curriculum_learning" not in self._config.model_fields_set:
             return False
+        return self._legacy_params()
+
+    def _legacy_params(self) -> dict[str, Any]:
         params = self._config.curriculum_learning.model_dump(exclude_none=True)
         params.pop("enabled")
         return params
@@ -47,7 +65,7 @@ class EngineCurriculum:
     def curriculum_scheduler_legacy(self) -> CurriculumScheduler | None:
         """The legacy block's scheduler (None when the block is off)."""
         if self._legacy_scheduler is None and self.curriculum_enabled_legacy():
-            self._legacy_scheduler = CurriculumScheduler(self.curriculum_params_legacy())
+            self._legacy_scheduler = CurriculumScheduler(self._legacy_params())
         return self._legacy_scheduler
 
     def data_efficiency_enabled(self) -> bool:

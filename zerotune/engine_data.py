@@ -21,7 +21,9 @@ class EngineDataLoader(DataLoader):
     post_process_func: Callable[[Any, dict], Any] | None = None
     curriculum: DataCurriculum | None = None
 
-    def __iter__(self) -> Iterator[Any]:
+    # torch types DataLoader.__iter__ as its own iterator class; DeepSpeed's loader is a generator over it that
+    # post-processes each batch (scripts only iterate it)
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for batch in super().__iter__():
             state = self.sampler.state_dict() if hasattr(self.sampler, "state_dict") else {}
             if self.curriculum is not None:
@@ -36,7 +38,8 @@ def build_dataloader(training_data: Any, mesh: ProcessMesh, micro_batch: int, co
                      drop_last: bool, curriculum: DataCurriculum | None = None) -> EngineDataLoader | None:
     if training_data is None:
         return None
-    sampler = DistributedSampler(training_data, num_replicas=mesh.size("dp"), rank=mesh.rank("dp"))
+    sampler: DistributedSampler[int] = DistributedSampler(training_data, num_replicas=mesh.size("dp"),
+                                                          rank=mesh.rank("dp"))
     loader = EngineDataLoader(training_data, batch_size=micro_batch, sampler=sampler, collate_fn=collate_fn,
                               drop_last=drop_last)
     loader.curriculum = curriculum

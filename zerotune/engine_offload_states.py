@@ -33,13 +33,17 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 
 from zerotune.monitor.logging import log_rank0
-from zerotune.offload.storage_mover import move_to_host, restore
+from zerotune.offload.storage_mover import MovedStorages, move_to_host, restore
 from zerotune.zero.offloadable import SCRATCH_KINDS, STATE_KINDS, drop_scratch, kinds_off_device, prepare, tensors_of
+
+if TYPE_CHECKING:
+    from zerotune.config.schema import ZeroTuneConfig
+    from zerotune.zero.contracts import ZeroStage
 
 FORWARD_NEEDS = ("lp_params",)
 BACKWARD_NEEDS = ("lp_params", "lp_grads")
@@ -74,9 +78,23 @@ def _size(nbytes: int) -> str:
 
 
 class StateOffloading:
-    """Mixed into ``EngineCore``; relies on its ``state``, ``optimizer``, ``module``, ``device``, ``_config``,
-    ``global_rank``, ``_offloaded`` (kind -> its move, None for freed scratch) and ``_pinned_host`` (kind -> the
-    page-locked buffers kept for the next move) attributes."""
+    """Mixed into ``EngineCore``; relies on the engine's attributes declared below."""
+
+    if TYPE_CHECKING:  # set by EngineCore.__init__, or EngineQueries' properties
+        state: ZeroStage
+        optimizer: torch.optim.Optimizer | None
+        module: torch.nn.Module
+        _config: ZeroTuneConfig
+        _offloaded: dict[str, MovedStorages | None]
+        """kind -> its move (None for freed scratch)"""
+        _pinned_host: dict[str, list[torch.Tensor]]
+        """kind -> the page-locked buffers kept for the next move"""
+
+        @property
+        def device(self) -> torch.device: ...
+
+        @property
+        def global_rank(self) -> int: ...
 
     @property
     def offloaded_states(self) -> frozenset[str]:

@@ -13,8 +13,9 @@ import torch
 from zerotune.distributed.mpu import ModelParallelUnit
 
 
-class EngineQueries:
-    """Mixed into ``Engine``; relies on its ``env``, ``mesh``, ``policy``, ``state``, ``optimizer``,
+class EngineQueries(torch.nn.Module):
+    """Mixed into ``EngineCore``, a ``torch.nn.Module`` (hence the base, which leaves the engines' MRO as it was:
+    ``__getattr__`` falls back to torch's); relies on its ``env``, ``mesh``, ``policy``, ``state``, ``optimizer``,
     ``client_optimizer``, ``loss_scaler``, ``module`` and ``_config`` attributes."""
 
     def __getattr__(self, name: str) -> Any:
