@@ -25,9 +25,22 @@ rows (position ids restarting, no mask), which HF then fails to isolate from eac
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:  # (transformers is imported only when an HF model is split)
+    from transformers import (
+        BertForMaskedLM,
+        GPT2LMHeadModel,
+        LlamaForCausalLM,
+        MistralForCausalLM,
+        PreTrainedModel,
+        Qwen2ForCausalLM,
+    )
+
+    LlamaFamilyModel = LlamaForCausalLM | MistralForCausalLM | Qwen2ForCausalLM
 
 SUPPORTED_MODELS = ("GPT2LMHeadModel", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                     "BertForMaskedLM")
@@ -115,7 +128,7 @@ def _bert_batch_fn(model: nn.Module) -> Callable:
 
 # ----------------------------------------------------------------------------------------------- losses
 
-def _causal_lm_loss(model: nn.Module) -> Callable:
+def _causal_lm_loss(model: PreTrainedModel) -> Callable:
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Looked up at call time: the engine may swap in a vocab-parallel loss under tensor parallelism.
         return model.loss_function(logits, labels, vocab_size=model.config.vocab_size)
@@ -123,7 +136,7 @@ def _causal_lm_loss(model: nn.Module) -> Callable:
     return loss_fn
 
 
-def _bert_mlm_loss(model: nn.Module) -> Callable:
+def _bert_mlm_loss(model: BertForMaskedLM) -> Callable:
     def loss_fn(scores: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # As BertForMaskedLM: mean cross-entropy over the positions whose label is not -100.
         return nn.functional.cross_entropy(scores.view(-1, model.config.vocab_size), labels.view(-1),
@@ -142,7 +155,7 @@ def _padding_mask_or_none(mask: torch.Tensor) -> torch.Tensor | None:
 class GPT2EmbeddingLayer(nn.Module):
     """Token + position embeddings (+ dropout) of GPT2Model."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: GPT2LMHeadModel) -> None:
         super().__init__()
         self.wte, self.wpe, self.drop = model.transformer.wte, model.transformer.wpe, model.transformer.drop
 
@@ -155,7 +168,7 @@ class GPT2EmbeddingLayer(nn.Module):
 class GPT2BlockLayer(nn.Module):
     """One GPT2Block; rebuilds the causal (+ padding) mask GPT2Model.forward would pass it."""
 
-    def __init__(self, model: nn.Module, index: int) -> None:
+    def __init__(self, model: GPT2LMHeadModel, index: int) -> None:
         super().__init__()
         self.block = model.transformer.h[index]
         self.config = model.transformer.config
@@ -174,7 +187,7 @@ class GPT2BlockLayer(nn.Module):
 class GPT2HeadLayer(nn.Module):
     """Final LayerNorm + lm_head (whose weight is wte's, when tied)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: GPT2LMHeadModel) -> None:
         super().__init__()
         self.ln_f, self.lm_head = model.transformer.ln_f, model.lm_head
 
@@ -182,7 +195,7 @@ class GPT2HeadLayer(nn.Module):
         return self.lm_head(self.ln_f(inputs[0]))
 
 
-def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
+def _gpt2_layers(model: GPT2LMHeadModel) -> list[nn.Module]:
     blocks = [GPT2BlockLayer(model, index) for index in range(len(model.transformer.h))]
     return [GPT2EmbeddingLayer(model), *blocks, GPT2HeadLayer(model)]
 
@@ -192,7 +205,7 @@ def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
 class LlamaEmbeddingLayer(nn.Module):
     """embed_tokens of a Llama / Mistral / Qwen2 model."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: LlamaFamilyModel) -> None:
         super().__init__()
         self.embed_tokens = model.model.embed_tokens
 
@@ -207,7 +220,7 @@ class LlamaBlockLayer(nn.Module):
     Recomputes rotary (cos, sin) with the model's rotary_emb -- buffers only, so every stage can hold
     it -- and the mask kind the HF model uses for this layer (full causal or sliding window)."""
 
-    def __init__(self, model: nn.Module, index: int, sliding: bool) -> None:
+    def __init__(self, model: LlamaFamilyModel, index: int, sliding: bool) -> None:
         super().__init__()
         self.block = model.model.layers[index]
         self.rotary_emb = model.model.rotary_emb
@@ -236,7 +249,7 @@ class LlamaBlockLayer(nn.Module):
 class LlamaHeadLayer(nn.Module):
     """Final RMSNorm + lm_head of a Llama / Mistral / Qwen2 model."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: LlamaFamilyModel) -> None:
         super().__init__()
         self.norm, self.lm_head = model.model.norm, model.lm_head
 
@@ -244,19 +257,21 @@ class LlamaHeadLayer(nn.Module):
         return self.lm_head(self.norm(inputs[0]))
 
 
-def _uses_sliding_window(model: nn.Module, index: int) -> bool:
+def _uses_sliding_window(model: LlamaFamilyModel, index: int) -> bool:
     """Mirror each HF model's own choice: Qwen2 per layer_types, Mistral by config.sliding_window, Llama never."""
     from transformers import MistralForCausalLM, Qwen2ForCausalLM
 
-    config = model.config
     if isinstance(model, Qwen2ForCausalLM):
-        return config.layer_types[index] == "sliding_attention"
+        layer_types = model.config.layer_types
+        if layer_types is None:  # (Qwen2Config fills it in from the sliding-window settings)
+            raise ValueError("Qwen2 model config without layer_types: cannot tell which layers use sliding windows")
+        return layer_types[index] == "sliding_attention"
     if isinstance(model, MistralForCausalLM):
-        return config.sliding_window is not None
+        return model.config.sliding_window is not None
     return False
 
 
-def _llama_family_layers(model: nn.Module) -> list[nn.Module]:
+def _llama_family_layers(model: LlamaFamilyModel) -> list[nn.Module]:
     count = model.config.num_hidden_layers  # HF runs layers[:num_hidden_layers]
     blocks = [LlamaBlockLayer(model, index, _uses_sliding_window(model, index)) for index in range(count)]
     return [LlamaEmbeddingLayer(model), *blocks, LlamaHeadLayer(model)]
@@ -267,7 +282,7 @@ def _llama_family_layers(model: nn.Module) -> list[nn.Module]:
 class BertEmbeddingLayer(nn.Module):
     """BertEmbeddings: word + token type + position embeddings, LayerNorm, dropout."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: BertForMaskedLM) -> None:
         super().__init__()
         self.embeddings = model.bert.embeddings
 
@@ -280,7 +295,7 @@ class BertEmbeddingLayer(nn.Module):
 class BertBlockLayer(nn.Module):
     """One BertLayer; rebuilds the mask as BertModel._create_attention_masks does (bidirectional unless is_decoder)."""
 
-    def __init__(self, model: nn.Module, index: int) -> None:
+    def __init__(self, model: BertForMaskedLM, index: int) -> None:
         super().__init__()
         self.block = model.bert.encoder.layer[index]
         self.config = model.bert.config
@@ -302,7 +317,7 @@ class BertBlockLayer(nn.Module):
 class BertHeadLayer(nn.Module):
     """BertOnlyMLMHead: transform + decoder (weight tied to the word embeddings, bias to predictions.bias)."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: BertForMaskedLM) -> None:
         super().__init__()
         self.cls = model.cls
 
@@ -310,6 +325,6 @@ class BertHeadLayer(nn.Module):
         return self.cls(inputs[0])
 
 
-def _bert_layers(model: nn.Module) -> list[nn.Module]:
+def _bert_layers(model: BertForMaskedLM) -> list[nn.Module]:
     blocks = [BertBlockLayer(model, index) for index in range(len(model.bert.encoder.layer))]
     return [BertEmbeddingLayer(model), *blocks, BertHeadLayer(model)]
