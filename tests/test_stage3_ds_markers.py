@@ -271,6 +271,8 @@ def test_parameter_offload_names_a_wrong_module_and_refuses_foreign_hooks() -> N
 
         def attach_forward_hooks(self) -> None: ...
 
+        def detach_forward_hooks(self) -> None: ...
+
     offload = DeepSpeedZeRoOffload(torch.nn.Linear(2, 2), _Scheduler())
     with pytest.raises(ValueError, match="pass the engine's module .*Linear.*not a ReLU"):
         offload._register_deepspeed_module(torch.nn.ReLU())
@@ -380,21 +382,27 @@ def _unwrap_detour() -> dict:
     engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config(stage3_prefetch_bucket_size=10**6))
     got = _train(engine, _engine_step, range(DETOUR_AT), ROWS)
     hooks = _hook_count(engine.module)
+    offload = engine.optimizer.parameter_offload
+    listed = len(offload.forward_hooks)
     with unwrap_model_for_generation(engine) as unwrapped:
         unhooked = _hook_count(engine.module)
+        listed_inside = len(offload.forward_hooks)  # DeepSpeed's own test counts this list
         available = _statuses(engine.module) == {AVAILABLE}
         logits, tokens = _generate(unwrapped.module)
     rehooked = _hook_count(engine.module)
+    listed_after = len(offload.forward_hooks)
     got += _train(engine, _engine_step, range(DETOUR_AT, STEPS), ROWS)
     engine.destroy()
     return {"got": got, "want": want, "logits": torch.allclose(logits, want_logits, rtol=1e-5, atol=1e-6),
             "tokens": torch.equal(tokens, want_tokens), "hooks": (hooks, unhooked, rehooked), "available": available,
-            "same": unwrapped is engine}
+            "same": unwrapped is engine, "listed": (listed, listed_inside, listed_after)}
 
 
 def test_deepspeed_unwrap_model_for_generation_matches_single_process_and_training_continues() -> None:
     for result in run_distributed(_unwrap_detour, 2, timeout=180):
         assert result["logits"] and result["tokens"] and result["available"] and result["same"]
+        listed, listed_inside, listed_after = result["listed"]
+        assert listed > 0 and listed_inside == 0 and listed_after == listed
         hooks, unhooked, rehooked = result["hooks"]
         assert hooks > 0 and unhooked == 0 and rehooked == hooks
         assert_close_traces(Trace(result["got"], [0.0] * STEPS), Trace(result["want"], [0.0] * STEPS), rel=1e-5)

@@ -58,7 +58,10 @@ class DeepSpeedZeRoOffload:
 
     @forward_hooks.setter
     def forward_hooks(self, hooks: list[Any]) -> None:
+        """``= []`` after removing the handles (TRL, DeepSpeed's ``unwrap_model_for_generation``): the stage forgets
+        them too, so the list reads empty until ``_register_deepspeed_module`` registers them again."""
         _only_clear("forward_hooks", hooks)
+        self._stage.detach_forward_hooks()
 
     @property
     def backward_hooks(self) -> list[Any]:
