@@ -1,5 +1,6 @@
-"""The seed guide's snippets run with only the module name changed (deepspeed -> zerotune), and match
-single-process PyTorch as the other parity tests do."""
+"""DeepSpeed-style client snippets (the engine loop, the ZeRO optimizer driven like a torch optimizer, the
+pipeline engine, imported as ``deepspeed.*`` paths) run with only the module name changed (deepspeed -> zerotune),
+and match single-process PyTorch as the other parity tests do."""
 
 from __future__ import annotations
 

@@ -232,12 +232,18 @@ def _engine_step(model, batch) -> float:
     return total.item() / dist.get_world_size()
 
 
-def _generation_detour() -> dict:
+def _reference_with_generation() -> tuple[list[float], torch.Tensor, torch.Tensor]:
+    """Single-process PyTorch: the losses of STEPS steps, and what it generates after DETOUR_AT of them."""
     reference = make_gpt2()
     step = _reference_step(torch.optim.AdamW(reference.parameters(), **ADAMW))
     want = _train(reference, step, range(DETOUR_AT), ROWS)
     want_logits, want_tokens = _generate(reference)
     want += _train(reference, step, range(DETOUR_AT, STEPS), ROWS)
+    return want, want_logits, want_tokens
+
+
+def _generation_detour() -> dict:
+    want, want_logits, want_tokens = _reference_with_generation()
     engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config(stage3_prefetch_bucket_size=10**6))
     got = _train(engine, _engine_step, range(DETOUR_AT), ROWS)
     hooks = _hook_count(engine.module)
@@ -374,11 +380,7 @@ def _unwrap_detour() -> dict:
     """The same detour through DeepSpeed's own ``deepspeed.runtime.zero.unwrap_model_for_generation``."""
     from zerotune.compat.zero import unwrap_model_for_generation
 
-    reference = make_gpt2()
-    step = _reference_step(torch.optim.AdamW(reference.parameters(), **ADAMW))
-    want = _train(reference, step, range(DETOUR_AT), ROWS)
-    want_logits, want_tokens = _generate(reference)
-    want += _train(reference, step, range(DETOUR_AT, STEPS), ROWS)
+    want, want_logits, want_tokens = _reference_with_generation()
     engine, *_ = zerotune.initialize(model=make_gpt2(), config=_config(stage3_prefetch_bucket_size=10**6))
     got = _train(engine, _engine_step, range(DETOUR_AT), ROWS)
     hooks = _hook_count(engine.module)

@@ -151,7 +151,8 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "version", "git_hash", "git_branch", "installed_ops", "compatible_ops", "torch_info")),
     "deepspeed.ops.adam": Mapped("zerotune.compat.ops", _OPS_ADAM),
     "deepspeed.ops.lamb": Mapped("zerotune.compat.ops", ("FusedLamb",)),
-    # the seed guide's spelling of the ZeRO optimizer wrapper (DeepSpeed's own lives in runtime.zero)
+    # zerotune's short path for the ZeRO optimizer wrapper driven without the engine (compat/pt.py); DeepSpeed's
+    # own classes live in runtime.zero
     "deepspeed.pt": Mapped("zerotune.compat.pt", ("DeepSpeedZeROOptimizer",)),
     "deepspeed.runtime.fp16": Mapped("zerotune.compat.fp16", ("fused_optimizer", "unfused_optimizer")),
     "deepspeed.runtime.fp16.fused_optimizer": Mapped("zerotune.compat.fp16", ("FP16_Optimizer",)),

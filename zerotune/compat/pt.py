@@ -1,6 +1,6 @@
 """``DeepSpeedZeROOptimizer(model, optimizer, zero_config)``: a ZeRO optimizer driven like a torch one.
 
-The seed guide's (and DeepSpeed's older) way to use ZeRO without the engine loop::
+DeepSpeed's older way to use ZeRO without the engine loop (a ZeRO optimizer wrapping a torch one)::
 
     optimizer = DeepSpeedZeROOptimizer(model, torch.optim.AdamW(model.parameters()), zero_config)
     for batch in data:
