@@ -42,11 +42,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tests.memory_probe import PeakTensorBytes, saved_for_backward  # noqa: E402
-from zerotune.parallel.activation_checkpointing import (  # noqa: E402
-    CheckpointPolicy,
-    apply_activation_checkpointing,
-    remove_activation_checkpointing,
-)
+from zerotune.parallel.activation_checkpointing import CheckpointPolicy  # noqa: E402
+from zerotune.parallel.block_checkpointing import apply_activation_checkpointing, remove_activation_checkpointing  # noqa: E402
 
 MODEL = dict(n_layer=4, n_embd=256, n_head=4, vocab_size=8192, n_positions=512)
 MEMORY_TARGET = 0.70  # fraction of saved-for-backward bytes removed

@@ -100,7 +100,7 @@ CASES = [
 
 def measure(case: Case) -> int:
     import zerotune
-    from zerotune.parallel.activation_checkpointing import apply_activation_checkpointing
+    from zerotune.parallel.block_checkpointing import apply_activation_checkpointing
 
     torch.manual_seed(0)
     vocab = 32000 if case.family == "llama" else 50257

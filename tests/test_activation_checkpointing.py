@@ -16,8 +16,9 @@ from tests.harness import run_distributed
 from tests.models import assert_close_traces, engine_run, gpt2_batch, make_gpt2, reference_run
 from zerotune.config import ConfigError, NotSupportedYetError
 from zerotune.parallel import activation_checkpointing as ac
-from zerotune.parallel.activation_checkpointing import (
-    CheckpointPolicy,
+from zerotune.parallel import block_checkpointing as blocks
+from zerotune.parallel.activation_checkpointing import CheckpointPolicy
+from zerotune.parallel.block_checkpointing import (
     apply_activation_checkpointing,
     checkpointed_module_names,
     remove_activation_checkpointing,
@@ -227,8 +228,8 @@ def test_wrapping_is_idempotent_and_reversible() -> None:
     first = apply_activation_checkpointing(model)
     wrapped_forward = block.forward
     assert apply_activation_checkpointing(model) == first == checkpointed_module_names(model)
-    assert block.forward.__func__ is wrapped_forward.__func__ is ac._checkpointed_forward
-    assert block.__dict__[ac._STATE].previous_forward is ac._ABSENT  # the second apply did not wrap the wrapper
+    assert block.forward.__func__ is wrapped_forward.__func__ is blocks._checkpointed_forward
+    assert block.__dict__[blocks._STATE].previous_forward is blocks._ABSENT  # the second apply did not wrap the wrapper
     expected = _loss_and_grads(model)
     assert remove_activation_checkpointing(model) == first
     assert "forward" not in block.__dict__ and block.forward.__func__ is other_forward.__func__

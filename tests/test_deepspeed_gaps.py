@@ -16,7 +16,11 @@ from tests.harness import run_distributed
 from tests.models import make_gpt2, make_mlp, mlp_batch
 from zerotune.config import ConfigError, load_config
 from zerotune.parallel import activation_checkpointing as ac
-from zerotune.parallel.activation_checkpointing import checkpoint_blocks_at_initialize, checkpointed_module_names
+from zerotune.parallel.block_checkpointing import (
+    checkpoint_blocks_at_initialize,
+    checkpointed_module_names,
+    remove_activation_checkpointing,
+)
 
 
 def test_dotted_top_level_keys_go_into_their_sections() -> None:
@@ -99,7 +103,7 @@ def test_the_block_wraps_only_declared_blocks_unless_told() -> None:
     gpt2 = make_gpt2()
     assert checkpoint_blocks_at_initialize(gpt2, False)[0] == [] and checkpointed_module_names(gpt2) == []
     assert checkpoint_blocks_at_initialize(gpt2, None)[0] == ["transformer.h.0", "transformer.h.1"]
-    ac.remove_activation_checkpointing(gpt2)
+    remove_activation_checkpointing(gpt2)
     hf_checkpointed = make_gpt2()
     enable = getattr(hf_checkpointed, "activation_checkpointing_enable", None) or \
         hf_checkpointed.gradient_checkpointing_enable

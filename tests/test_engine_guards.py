@@ -15,6 +15,7 @@ from zerotune.distributed.guard import GUARD, CollectiveMismatch
 from zerotune.distributed.guard_torch import guard_torch_distributed
 from zerotune.distributed.watchdog import WATCHDOG
 from zerotune.parallel import activation_checkpointing as ac
+from zerotune.parallel import block_checkpointing as blocks
 
 
 class Block(torch.nn.Module):
@@ -96,7 +97,9 @@ def _two_engines(tmp: str) -> dict:
         engine.backward(engine(**_batch(index, rank)))
         engine.step()
 
-    ac.run_checkpointed, WATCHDOG.begin = recording_run, recording_begin
+    # checkpoint() calls it in activation_checkpointing, the wrapped blocks in block_checkpointing
+    ac.run_checkpointed = blocks.run_checkpointed = recording_run
+    WATCHDOG.begin = recording_begin
     try:
         counts = []
         for index in range(2):  # interleaved, as a GAN's generator and discriminator steps
@@ -119,7 +122,8 @@ def _two_engines(tmp: str) -> dict:
         seen["phase"] = "checkpoint() outside engines"  # the engine that ran last: b
         ac.checkpoint(Block(), torch.randn(2, 8, requires_grad=True))
     finally:
-        ac.run_checkpointed, WATCHDOG.begin = run_checkpointed, begin
+        ac.run_checkpointed = blocks.run_checkpointed = run_checkpointed
+        WATCHDOG.begin = begin
         seen.pop("phase", None)
     points_a = a.guards.guard.points
     try:  # rank 0 saves a's checkpoint alone: a's guard stops both ranks

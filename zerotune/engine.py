@@ -18,8 +18,9 @@ import torch
 
 from zerotune.distributed import comm
 from zerotune.distributed.engine_guards import EngineGuards
+from zerotune.engine_batches import check_batch_not_empty, loss_from_output, map_tensors
 from zerotune.engine_compile import EngineCompile
-from zerotune.engine_core import EngineCore, check_batch_not_empty, loss_from_output, map_tensors
+from zerotune.engine_core import EngineCore
 from zerotune.engine_offload_states import BACKWARD_NEEDS, FORWARD_NEEDS
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
 

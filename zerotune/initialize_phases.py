@@ -51,7 +51,7 @@ from zerotune.optim import (
     scale_schedule_lrs,
 )
 from zerotune.optim.onebit_adam import OneBitAdam
-from zerotune.parallel.activation_checkpointing import checkpoint_blocks_at_initialize
+from zerotune.parallel.block_checkpointing import checkpoint_blocks_at_initialize
 from zerotune.pipe.engine import PipelineEngine
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.setup import build_pipeline, check_pipeline_composes

@@ -3,7 +3,7 @@ model-parallel RNG tracker.
 
 The checkpointing itself is ``zerotune.parallel.activation_checkpointing``, re-exported here under DeepSpeed's
 names, with the zerotune extension that checkpoints a model's transformer blocks
-(``apply_activation_checkpointing``).
+(``apply_activation_checkpointing``, ``parallel/block_checkpointing.py``).
 
 The tracker keeps named RNG states (Megatron's "model-parallel-rng": a different dropout stream
 per tensor-parallel rank) and swaps one in for a block with ``fork()``. It tracks the CUDA
@@ -20,16 +20,18 @@ import torch
 from zerotune.distributed.mesh import latest_mesh
 from zerotune.parallel.activation_checkpointing import (
     CheckpointPolicy,
-    apply_activation_checkpointing,
     checkpoint,
-    checkpointed_module_names,
     configure,
     configured_policy,
     is_configured,
     non_reentrant_checkpoint,
     policy_from_section,
-    remove_activation_checkpointing,
     reset,
+)
+from zerotune.parallel.block_checkpointing import (
+    apply_activation_checkpointing,
+    checkpointed_module_names,
+    remove_activation_checkpointing,
 )
 
 _MODEL_PARALLEL_RNG = "model-parallel-rng"

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm
 from zerotune.distributed.engine_guards import EngineGuards
-from zerotune.engine_core import EngineCore, check_batch_not_empty, map_tensors
+from zerotune.engine_batches import check_batch_not_empty, map_tensors
+from zerotune.engine_core import EngineCore
 from zerotune.engine_offload_states import FORWARD_NEEDS
 from zerotune.parallel.tensor.state_dict import iter_full_tensors
 from zerotune.pipe.module import PipelineModule

@@ -102,7 +102,7 @@ def _tied_names(model: torch.nn.Module) -> list[tuple[str, str]]:
 
 
 def _trace(model: torch.nn.Module, batch: int, seq_len: int, task: str) -> ActivationProfile:
-    from zerotune.parallel.activation_checkpointing import checkpoint_block_names
+    from zerotune.parallel.block_checkpointing import checkpoint_block_names
 
     params = {_storage(p)[0] for p in model.parameters()}
     try:
