@@ -60,6 +60,7 @@ _TENSOR_FRAGMENT = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "saf
                     "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
                     "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad",
                     "safe_set_local_grad")
+_ELASTICITY = ("compute_elastic_config", "elasticity_enabled", "ensure_immutable_elastic_config")
 _COMPRESSION = "the compression library (deepspeed.compression)"
 _KERNEL_INJECTION = "inference kernel injection (init_inference splits with AutoTP and runs the model's own modules)"
 _MODULE_INJECT_REFUSED = {
@@ -186,6 +187,16 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     # the dotted-path helpers DeepSpeed-Chat's LoRA imports; the compression library itself refused
     "deepspeed.compression": Mapped("zerotune.compat.compression", ("init_compression", "redundancy_clean")),
     "deepspeed.compression.helper": Mapped("zerotune.compat.compression", ("recursive_getattr", "recursive_setattr")),
+    # the elastic batch a resource scheduler plans with; the engine applies the config's block itself
+    "deepspeed.elasticity": Mapped("zerotune.compat.elasticity", (*_ELASTICITY, "is_torch_elastic_compatible",
+                                                                 "DSElasticAgent", "ELASTICITY", "ENABLED",
+                                                                 "ENABLED_DEFAULT", "config", "elasticity")),
+    "deepspeed.elasticity.elasticity": Mapped("zerotune.compat.elasticity", _ELASTICITY),
+    "deepspeed.elasticity.config": Mapped("zerotune.compat.elasticity", (
+        "ElasticityConfig", "ElasticityError", "ElasticityConfigError", "ElasticityIncompatibleWorldSize")),
+    "deepspeed.elasticity.constants": Mapped("zerotune.compat.elasticity", (
+        "ELASTICITY", "ENABLED", "ENABLED_DEFAULT", "LATEST_ELASTICITY_VERSION", "MINIMUM_DEEPSPEED_VERSION",
+        "DEEPSPEED_ELASTICITY_CONFIG")),
 }
 
 REFUSED_MODULES: dict[str, str] = {
@@ -219,6 +230,8 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.compression.init_compression": _COMPRESSION,
     "deepspeed.compression.redundancy_clean": _COMPRESSION,
     **{f"deepspeed.module_inject.{name}": feature for name, feature in _MODULE_INJECT_REFUSED.items()},
+    "deepspeed.elasticity.DSElasticAgent": "DeepSpeed's torch-elastic agent (its launcher's --enable_elastic_training; "
+                                           "`zerotune run --max-restarts` restarts workers through torchrun's agent)",
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",
 }
