@@ -78,6 +78,30 @@ def test_deepspeed_adams_are_torch_adam_with_deepspeeds_defaults(cls) -> None:
         cls([nn.Parameter(torch.ones(1))], bias_correction=False)
 
 
+def test_config_adam_builds_deepspeeds_fused_adam_class() -> None:
+    # DeepSpeed builds its FusedAdam for "Adam" / "AdamW" (its own test_ds_initialize checks the class)
+    model = nn.Linear(4, 2)
+    _, optimizer, _, _ = zerotune.initialize(model=model, model_parameters=list(model.parameters()),
+                                             config={"train_batch_size": 1, "optimizer": {"type": "Adam"}})
+    assert isinstance(optimizer, ops.FusedAdam)
+    _, optimizer, _, _ = zerotune.initialize(model=nn.Linear(4, 2), config={
+        "train_batch_size": 1, "optimizer": {"type": "Adam", "params": {"torch_adam": True}}})
+    assert not isinstance(optimizer, ops.FusedAdam)  # torch_adam: DeepSpeed builds torch's own class
+
+
+def test_deepspeed_zero_config_answers_deepspeeds_attribute_names() -> None:
+    from zerotune.compat.zero_config import DeepSpeedZeroConfig, DeepSpeedZeroOffloadParamConfig
+
+    config = DeepSpeedZeroConfig(stage3_prefetch_bucket_size=12345, stage3_param_persistence_threshold=7,
+                                 stage3_gather_fp16_weights_on_model_save=True)
+    assert config.prefetch_bucket_size == 12345 and config.param_persistence_threshold == 7
+    assert config.gather_16bit_weights_on_model_save is True and config.pipeline_loading_checkpoint is False
+    assert config.offload_param is None and config.offload_optimizer is None  # DeepSpeed's "no offload block"
+    assert DeepSpeedZeroConfig(offload_param=None).offload_param is None
+    assert isinstance(DeepSpeedZeroConfig(cpu_offload_param=True).offload_param, DeepSpeedZeroOffloadParamConfig)
+    assert DeepSpeedZeroConfig(offload_param={}).offload_param.device == "none"
+
+
 def test_fused_lamb_is_zerotunes_lamb() -> None:
     trace = _two_step_trace(lambda p: ops.FusedLamb(p, lr=0.01))
     from zerotune.optim import Lamb

@@ -303,10 +303,33 @@ def test_fp16_and_bf16_both_enabled():
     assert "fp16" in str(err) and "bf16" in str(err)
 
 
-def test_nvme_needs_path_and_param_offload_needs_stage3():
+def test_nvme_needs_path_and_param_offload_below_stage3_is_noted():
     assert "nvme_path" in str(error_of({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme"}}}))
-    err = error_of({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
-    assert err.path == "zero_optimization.offload_param.device" and "stage 3" in str(err)
+    # DeepSpeed reads offload_param only at stage 3; below it the key is accepted and said to change nothing
+    cfg = load_config({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})
+    notes = dict(cfg.notes)
+    assert "stage 3" in notes["zero_optimization.offload_param.device"]
+    assert notes["zero_optimization.offload_param.device"].startswith("no effect here")
+
+
+@pytest.mark.parametrize("stage, model, accum, refused", [
+    (0, "fp32", "bf16", True), (0, "fp16", "fp32", True), (0, "bf16", "fp32", True), (0, "bf16", "bf16", False),
+    (0, "fp32", None, False), (1, "fp32", "bf16", False), (2, "fp16", "fp32", False), (3, "bf16", "fp16", False),
+])
+def test_grad_accum_dtype_follows_deepspeeds_support_matrix(stage, model, accum, refused):
+    raw = {"zero_optimization": {"stage": stage}, "data_types": {"grad_accum_dtype": accum},
+           "fp16": {"enabled": model == "fp16"}, "bf16": {"enabled": model == "bf16"}}
+    if refused:  # DeepSpeed raises NotImplementedError for these; so does zerotune, naming the key
+        with pytest.raises(NotImplementedError, match="data_types.grad_accum_dtype"):
+            load_config(raw)
+        return
+    notes = dict(load_config(raw).notes)
+    assert "data_types.grad_accum_dtype" in notes  # given, and fp32 sums here whatever its value
+
+
+def test_grad_accum_dtype_refuses_unknown_values():
+    err = error_of({"data_types": {"grad_accum_dtype": "fp8"}})
+    assert err.path == "data_types.grad_accum_dtype"
 
 
 def test_tag_validation_is_case_insensitive():

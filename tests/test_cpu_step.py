@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from zerotune.config.errors import ConfigError
+from zerotune.optim.deepspeed_adam import FusedAdam
 from zerotune.offload.cpu_step import (
     FUSED_TYPES,
     STEP_ALIGNMENT_ELEMENTS,
@@ -147,7 +148,8 @@ def test_build_rejects_tensors_that_are_not_host_fp32(tensor, what):
 def test_build_keeps_param_groups_and_deepspeed_semantics():
     first, second = torch.zeros(8), torch.zeros(8)
     optimizer = build_cpu_optimizer("Adam", {"lr": 1e-3}, [{"params": [first]}, {"params": [second], "lr": 0.5}])
-    assert isinstance(optimizer, torch.optim.AdamW)  # DeepSpeed "Adam": decoupled decay by default
+    assert isinstance(optimizer, FusedAdam)  # DeepSpeed "Adam": its FusedAdam, decoupled decay by default
+    assert all(g["decoupled_weight_decay"] for g in optimizer.param_groups)
     assert [g["lr"] for g in optimizer.param_groups] == [1e-3, 0.5]
     assert all(g["fused"] for g in optimizer.param_groups)
     with pytest.raises(ConfigError, match="optimizer.params"):

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from zerotune.config import ConfigError, NotSupportedYetError
+from zerotune.optim.deepspeed_adam import FusedAdam
 from zerotune.optim import (
     OPTIMIZER_NAMES,
     SCHEDULER_NAMES,
@@ -50,13 +51,16 @@ def _run(optimizer: torch.optim.Optimizer, params: list[torch.Tensor], steps: in
 @pytest.mark.parametrize(
     ("opt_type", "params", "expected_class", "expected"),
     [
-        ("Adam", {"lr": 2e-3, "betas": [0.8, 0.9]}, torch.optim.AdamW, {"lr": 2e-3, "betas": (0.8, 0.9), "weight_decay": 0.0}),
-        ("adam", {"weight_decay": 0.1}, torch.optim.AdamW, {"weight_decay": 0.1, "eps": 1e-8}),
-        ("Adam", {"adam_w_mode": False, "weight_decay": 0.1}, torch.optim.Adam, {"weight_decay": 0.1}),
+        # DeepSpeed's FusedAdam (torch's kernels), decoupled decay unless adam_w_mode is false for "Adam"
+        ("Adam", {"lr": 2e-3, "betas": [0.8, 0.9]}, FusedAdam,
+         {"lr": 2e-3, "betas": (0.8, 0.9), "weight_decay": 0.0, "decoupled_weight_decay": True}),
+        ("adam", {"weight_decay": 0.1}, FusedAdam, {"weight_decay": 0.1, "eps": 1e-8, "decoupled_weight_decay": True}),
+        ("Adam", {"adam_w_mode": False, "weight_decay": 0.1}, FusedAdam,
+         {"weight_decay": 0.1, "decoupled_weight_decay": False}),
         ("Adam", {"torch_adam": True, "adam_w_mode": False, "amsgrad": True}, torch.optim.Adam, {"amsgrad": True}),
-        ("AdamW", {"adam_w_mode": False}, torch.optim.AdamW, {"weight_decay": 0.0}),
+        ("AdamW", {"adam_w_mode": False}, FusedAdam, {"weight_decay": 0.0, "decoupled_weight_decay": True}),
         ("ADAMW", {"torch_adam": True}, torch.optim.AdamW, {"weight_decay": 0.01}),  # DeepSpeed builds torch's own
-        ("Adam", {"bias_correction": True, "set_grad_none": True}, torch.optim.AdamW, {"lr": 1e-3}),
+        ("Adam", {"bias_correction": True, "set_grad_none": True}, FusedAdam, {"lr": 1e-3}),
         ("SGD", {"lr": 0.1, "momentum": 0.9, "nesterov": True}, torch.optim.SGD, {"momentum": 0.9, "nesterov": True}),
         ("Adagrad", {"lr": 0.05, "lr_decay": 0.01}, torch.optim.Adagrad, {"lr": 0.05, "lr_decay": 0.01}),
         ("Lamb", {"lr": 1e-2, "max_coeff": 0.3, "min_coeff": 0.02, "betas": [0.9, 0.99]}, Lamb,

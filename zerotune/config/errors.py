@@ -27,8 +27,10 @@ class ConfigError(ValueError):
         return (self.__class__, (self.path, self.message))
 
 
-class NotSupportedError(ConfigError):
-    """A DeepSpeed feature zerotune does not model at all (e.g. ``flops_profiler``)."""
+class NotSupportedError(ConfigError, NotImplementedError):
+    """A DeepSpeed feature zerotune does not model at all (e.g. ``flops_profiler``), or a combination DeepSpeed
+    refuses too. Also a ``NotImplementedError``: what DeepSpeed raises for those, so code and tests written
+    against DeepSpeed catch it."""
 
 
 class NotSupportedYetError(ConfigError):

@@ -18,6 +18,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from .data_types import check_grad_accum_dtype
 from .errors import ConfigError
 from .files import read_config_file
 from .normalize import normalize_keys, printable_key
@@ -118,11 +119,12 @@ def check_cross_section(cfg: ZeroTuneConfig) -> None:
         if offload.device == "nvme" and not offload.nvme_path:
             raise ConfigError(f"zero_optimization.{name}.nvme_path", "required when device is 'nvme'")
     if zero.offload_param.device != "none" and isinstance(zero.stage, int) and zero.stage != 3:
-        raise ConfigError(
-            "zero_optimization.offload_param.device",
-            f"parameter offload ('{zero.offload_param.device}') needs zero_optimization.stage 3, "
-            f"got stage {zero.stage}",
-        )
+        # DeepSpeed reads offload_param only at stage 3 (zero.Init configs and TRL's shared dicts carry it to
+        # every stage): accepted, and said to change nothing here.
+        cfg._notes.append(("zero_optimization.offload_param.device",
+                           f"no effect here: parameter offload ('{zero.offload_param.device}') needs "
+                           f"zero_optimization.stage 3 and the stage is {zero.stage}; parameters stay with the model"))
+    check_grad_accum_dtype(cfg)
     if cfg.checkpoint.auto_resume is True and not cfg.checkpoint.save_dir:
         raise ConfigError("checkpoint.auto_resume", "needs checkpoint.save_dir: the directory to resume from (and "
                                                     "the default of save_checkpoint)")

@@ -15,6 +15,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 from pydantic import Field, PrivateAttr, field_validator
 
 from .curriculum_section import CurriculumLearningConfig, DataEfficiencyConfig
+from .data_types import DataTypesConfig
 from .section import NoEffect, Section
 from .sections import (
     ActivationCheckpointingConfig,
@@ -75,9 +76,6 @@ _NO_EFFECT_TOP: dict[str, NoEffect] = {
     "use_data_before_expert_parallelism": (_is(False), "false", "there is no expert parallelism"),
     "seq_parallel_comm_data_type": (_is("fp32"), '"fp32"', "gradients are always reduced in fp32"),
     "seq_parallel_communication_data_type": (_is("fp32"), '"fp32"', "gradients are always reduced in fp32"),
-    "data_types": (lambda v: isinstance(v, dict) and set(v) <= {"grad_accum_dtype"}
-                   and v.get("grad_accum_dtype") in (None, "fp32"), '{"grad_accum_dtype": "fp32"}',
-                   "gradients always accumulate in fp32 (grad_accum_dtype fp32)"),
 }
 
 
@@ -138,6 +136,8 @@ class ZeroTuneConfig(Section):
     """DeepSpeed's legacy seqlen curriculum, applied by the engine's forward (config/curriculum_section.py)."""
     data_efficiency: DataEfficiencyConfig = Field(default_factory=DataEfficiencyConfig)
     """DeepSpeed's data efficiency: its analyzer-free curriculum over the engine's data loader."""
+    data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
+    """DeepSpeed's ``grad_accum_dtype`` (no effect here: gradients accumulate in fp32; config/data_types.py)."""
     sequence_parallel_size: AutoPosInt = 1
     """Ulysses sequence-parallel degree; 1 disables sequence parallelism."""
     steps_per_print: AutoPosInt = 10

@@ -110,8 +110,10 @@ class ZeroConfig(Section):
     @classmethod
     def translate_legacy(cls, raw: dict[str, Any], prefix: str, notes: list[tuple[str, str]]) -> dict[str, Any]:
         """DeepSpeed's ``cpu_offload`` / ``cpu_offload_param`` booleans become ``offload_optimizer`` /
-        ``offload_param`` with device cpu; ``cpu_offload_use_pin_memory`` sets ``pin_memory`` of both."""
-        raw = dict(raw)
+        ``offload_param`` with device cpu; ``cpu_offload_use_pin_memory`` sets ``pin_memory`` of both. An
+        offload block given as null is no offload, as DeepSpeed reads it."""
+        raw = {key: value for key, value in raw.items()
+               if not (key in ("offload_optimizer", "offload_param") and value is None)}
         for legacy, modern in (("cpu_offload", "offload_optimizer"), ("cpu_offload_param", "offload_param")):
             if legacy not in raw:
                 continue

@@ -5,10 +5,11 @@ DeepSpeed resolves ``{"type": ..., "params": {...}}`` in ``engine._configure_bas
 to ``getattr(torch.optim, type)(params, **params)``. Here every type maps to a torch
 optimizer (or to ``zerotune.optim.lamb.Lamb``), with DeepSpeed's spellings translated:
 
-- "Adam" means *decoupled* weight decay (torch AdamW) because DeepSpeed's ``adam_w_mode``
-  defaults to true; ``adam_w_mode: false`` gives classic L2-coupled torch Adam. "AdamW"
-  is always decoupled. ``torch_adam`` is accepted (we always use torch's kernels), and so
-  are FusedAdam's ``bias_correction: true`` and ``set_grad_none``.
+- "Adam" / "AdamW" build ``FusedAdam`` (``deepspeed_adam.py``: torch's Adam kernels under DeepSpeed's
+  class name, as DeepSpeed builds its own FusedAdam), with ``torch_adam: true`` torch's own class.
+  "Adam" means *decoupled* weight decay (as torch AdamW) because DeepSpeed's ``adam_w_mode``
+  defaults to true; ``adam_w_mode: false`` gives classic L2-coupled Adam. "AdamW" is always
+  decoupled. FusedAdam's ``bias_correction: true`` and ``set_grad_none`` are accepted.
 - DeepSpeed's FusedAdam defaults ``weight_decay`` to 0, torch's AdamW to 0.01; unless
   ``torch_adam`` is set (where DeepSpeed itself builds torch's class), 0 is used.
 - ``betas`` given as a JSON list becomes a tuple (OneCycle and checkpoints compare them).
@@ -26,6 +27,7 @@ from typing import Any
 import torch
 
 from zerotune.config.errors import ConfigError, NotSupportedYetError
+from zerotune.optim.deepspeed_adam import FusedAdam
 from zerotune.optim.lamb import Lamb
 from zerotune.optim.onebit_adam import OneBitAdam
 from zerotune.optim.validation import check_known_keys, did_you_mean, reject_auto_values
@@ -101,7 +103,7 @@ def check_optimizer_section(opt_type: Any, params: Mapping[str, Any] | None) -> 
     return canonical
 
 
-_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+_FUSABLE = (torch.optim.Adam, torch.optim.AdamW, FusedAdam, torch.optim.SGD, torch.optim.Adagrad)
 
 
 def _can_fuse(optimizer_class: type, kwargs: dict[str, Any], groups: list) -> bool:
@@ -123,12 +125,14 @@ def optimizer_defaults(opt_type: str) -> dict[str, Any]:
     """
     canonical = canonical_optimizer_name(opt_type)
     optimizer_class, overrides = _translate(canonical, {})
+    deepspeed_switches = frozenset(_ADAM_DEEPSPEED_KEYS) if optimizer_class is FusedAdam else frozenset()
+    switches = _IMPLEMENTATION_KNOBS | deepspeed_switches
     defaults = {
         name: parameter.default
         for name, parameter in _constructor_parameters(optimizer_class).items()
-        if parameter.default is not inspect.Parameter.empty and name not in _IMPLEMENTATION_KNOBS
+        if parameter.default is not inspect.Parameter.empty and name not in switches
     }
-    defaults.update(overrides)
+    defaults.update({name: value for name, value in overrides.items() if name not in switches})
     return defaults
 
 
@@ -182,9 +186,10 @@ def _translate(canonical: str, params: dict[str, Any]) -> tuple[type[torch.optim
         )
     # As in DeepSpeed: the name "AdamW" forces decoupled decay; "Adam" follows adam_w_mode (default true).
     decoupled = canonical == "AdamW" or adam_w_mode
-    if not torch_adam:
-        kwargs.setdefault("weight_decay", 0.0)  # FusedAdam / CPUAdam default, unlike torch AdamW's 0.01
-    return (torch.optim.AdamW if decoupled else torch.optim.Adam), kwargs
+    if torch_adam:  # DeepSpeed builds torch's own class then
+        return (torch.optim.AdamW if decoupled else torch.optim.Adam), kwargs
+    kwargs.setdefault("weight_decay", 0.0)  # FusedAdam / CPUAdam default, unlike torch AdamW's 0.01
+    return FusedAdam, {**kwargs, "adam_w_mode": decoupled}
 
 
 def _translate_group(group: Any) -> Any:

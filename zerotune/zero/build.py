@@ -135,7 +135,7 @@ def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
     zero = cfg.zero_optimization
     offload = zero.offload_optimizer
     if offload.device == "none":  # with parameters on NVMe, masters cannot be views of their shards
-        return MasterPlacement(always_separate=zero.offload_param.device == "nvme")
+        return MasterPlacement(always_separate=zero.stage == 3 and zero.offload_param.device == "nvme")
     if zero.stage == 0:
         raise ConfigError("zero_optimization.offload_optimizer.device",
                           f"{offload.device} needs ZeRO stage 1, 2 or 3 (the stage is 0)")
