@@ -248,7 +248,7 @@ def test_unsupported_deepspeed_block():
 
 
 @pytest.mark.parametrize("block, value", [("compression_training", {}), ("sparse_attention", {}),
-                                          ("autotuning", {"enabled": True}), ("elasticity", {"enabled": True}),
+                                          ("autotuning", {"enabled": True}),
                                           ("amp", {"enabled": True})])
 def test_more_unsupported_blocks(block, value):
     with pytest.raises(NotSupportedError, match=f"'{block}' is a DeepSpeed feature zerotune does not support"):

@@ -245,3 +245,51 @@ def test_deepspeed_paths_after_a_plain_import(alias):
     assert deepspeed.elasticity.config.ElasticityIncompatibleWorldSize is ElasticityIncompatibleWorldSize
     assert DEEPSPEED_ELASTICITY_CONFIG == SCHEDULER_CONFIG_ENV
     assert deepspeed.elasticity.is_torch_elastic_compatible()
+
+
+ELASTIC_ENGINE = {"enabled": True, "max_train_batch_size": 4, "micro_batch_sizes": [1, 2, 3, 4], "min_gpus": 1,
+                  "max_gpus": 4, "min_time": 20, "version": 0.1}
+
+
+def test_an_enabled_block_sets_the_batch_triple(monkeypatch):
+    from zerotune.config import load_config, resolve_config
+
+    monkeypatch.delenv(SCHEDULER_CONFIG_ENV, raising=False)
+    cfg = resolve_config({"elasticity": ELASTIC_ENGINE}, dp_world_size=2)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == (12, 3, 2)
+    assert cfg.provenance["train_batch_size"] == "inferred"
+    assert "runs unchanged on data-parallel sizes [1, 2, 3, 4]" in dict(cfg.notes)["elasticity"]
+    assert resolve_config(cfg, dp_world_size=2).train_batch_size == 12  # a resolved config resolves the same
+    auto = resolve_config({"elasticity": ELASTIC_ENGINE, "train_batch_size": "auto"}, dp_world_size=1,
+                          auto_values={"train_batch_size": 64})
+    assert (auto.train_batch_size, auto.train_micro_batch_size_per_gpu, auto.gradient_accumulation_steps) == (12, 4, 3)
+    # the block is checked when the config loads, and only an enabled one needs its batch keys
+    assert not load_config({"elasticity": {"enabled": False}}).elasticity.enabled
+    with pytest.raises(ConfigError, match="elasticity.min_gpus"):
+        load_config({"elasticity": {"enabled": False, "min_gpus": 0}})
+    with pytest.raises(ElasticityConfigError, match="elasticity.max_train_batch_size: required"):
+        resolve_config({"elasticity": {"enabled": True}}, dp_world_size=2)
+
+
+@pytest.mark.parametrize("key", ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"])
+def test_a_batch_key_beside_an_enabled_block(key, monkeypatch):
+    from zerotune.config import resolve_config
+
+    monkeypatch.delenv(SCHEDULER_CONFIG_ENV, raising=False)
+    with pytest.raises(ElasticityConfigError) as info:
+        resolve_config({key: 2, "elasticity": ELASTIC_ENGINE}, dp_world_size=2)
+    assert info.value.path == key and "elasticity.ignore_non_elastic_batch_info" in str(info.value)
+    cfg = resolve_config({key: 2, "elasticity": {**ELASTIC_ENGINE, "ignore_non_elastic_batch_info": True}},
+                         dp_world_size=2)
+    assert cfg.train_batch_size == 12 and dict(cfg.notes)[key].startswith("no effect here: elasticity sets it to")
+
+
+def test_the_engine_refuses_a_world_size_or_scheduler_the_batch_does_not_fit(monkeypatch):
+    from zerotune.config import resolve_config
+
+    monkeypatch.delenv(SCHEDULER_CONFIG_ENV, raising=False)
+    with pytest.raises(ElasticityIncompatibleWorldSize, match="does not run on world size 5"):
+        resolve_config({"elasticity": ELASTIC_ENGINE}, dp_world_size=5)
+    monkeypatch.setenv(SCHEDULER_CONFIG_ENV, json.dumps({**ELASTIC_ENGINE, "max_train_batch_size": 27}))
+    with pytest.raises(ElasticityConfigError, match="elasticity.max_train_batch_size: 4 differs from the 27"):
+        resolve_config({"elasticity": ELASTIC_ENGINE}, dp_world_size=2)

@@ -84,9 +84,10 @@ def elastic_micro_batch(cfg: ElasticityConfig, plan: ElasticPlan, world_size: in
     return max(fitting)
 
 
-def elastic_batch_sizes(cfg: ElasticityConfig, dp_world_size: int) -> BatchSizes:
-    """The batch triple an enabled block sets for ``dp_world_size`` data-parallel ranks."""
-    plan = plan_elastic_batch(cfg, dp_world_size)
+def elastic_batch_sizes(cfg: ElasticityConfig, dp_world_size: int, plan: Optional[ElasticPlan] = None) -> BatchSizes:
+    """The batch triple an enabled block sets for ``dp_world_size`` data-parallel ranks (DeepSpeed's engine counts
+    data-parallel ranks as the world size); ``plan``: the block's plan for that size, if already searched."""
+    plan = plan or plan_elastic_batch(cfg, dp_world_size)
     micro = elastic_micro_batch(cfg, plan, dp_world_size)
     return BatchSizes(plan.train_batch_size, micro, plan.train_batch_size // (micro * dp_world_size))
 

@@ -6,10 +6,13 @@ Resolution works on the plain dict and re-validates it, so a value supplied thro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Optional, TypeVar
 
 from .batch import BATCH_KEYS, solve_batch
+from .elastic_batch import SCHEDULER_CONFIG_ENV, check_scheduler_agrees, elastic_batch_sizes, plan_elastic_batch
+from .elasticity import ElasticityConfigError
 from .errors import ConfigError
 from .loading import config_from_dict, load_config
 from .pydantic_errors import show_value
@@ -52,12 +55,37 @@ def resolve_config(
         set_path(data, path, replacement)
         provenance[path] = "auto"
 
+    elastic_notes = _elastic_batch(cfg, data, provenance, dp_world_size) if cfg.elasticity.enabled else []
     _resolve_batch(data, provenance, auto_values, dp_world_size, strict)
     resolved = config_from_dict(data)
-    resolved._notes[:] = cfg._notes
+    resolved._notes[:] = [*cfg._notes, *elastic_notes]
     resolved._provenance.clear()
     resolved._provenance.update({path: provenance.get(path, "default") for path, _ in iter_leaves(resolved)})
     return resolved
+
+
+def _elastic_batch(cfg: ZeroTuneConfig, data: dict[str, Any], provenance: dict[str, str],
+                   dp_world_size: int) -> list[tuple[str, str]]:
+    """An enabled ``elasticity`` block sets the batch triple, as DeepSpeed's does: a triple given beside it would
+    silently lose, so it is an error unless the block says to ignore it. Returns the notes to report."""
+    section = cfg.elasticity
+    given = [key for key in BATCH_KEYS if cfg.provenance.get(key) == "file"]
+    if given and not section.ignore_non_elastic_batch_info:
+        raise ElasticityConfigError(given[0], f"set beside an enabled elasticity block, which chooses "
+                                              f"{', '.join(BATCH_KEYS)} itself; remove {', '.join(given)}, or set "
+                                              "elasticity.ignore_non_elastic_batch_info true to have them ignored")
+    check_scheduler_agrees(section, os.environ.get(SCHEDULER_CONFIG_ENV))
+    plan = plan_elastic_batch(section, dp_world_size)
+    sizes = elastic_batch_sizes(section, dp_world_size, plan)
+    notes = [(key, f"no effect here: elasticity sets it to {value} (ignore_non_elastic_batch_info)")
+             for key, value in zip(BATCH_KEYS, sizes) if key in given]
+    for key, value in zip(BATCH_KEYS, sizes):
+        data[key] = value
+        provenance[key] = "inferred"
+    notes.append(("elasticity", f"batch {sizes.train_batch_size} = micro batch {sizes.train_micro_batch_size_per_gpu} "
+                                f"x {sizes.gradient_accumulation_steps} steps x {dp_world_size} data-parallel ranks; "
+                                f"it runs unchanged on data-parallel sizes {plan.valid_world_sizes}"))
+    return notes
 
 
 def _resolve_batch(

@@ -16,6 +16,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from .curriculum_section import CurriculumLearningConfig, DataEfficiencyConfig
 from .data_types import DataTypesConfig
+from .elasticity import ElasticityConfig
 from .section import NoEffect, Section
 from .sections import (
     ActivationCheckpointingConfig,
@@ -58,7 +59,7 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 # Top-level DeepSpeed keys accepted without a field: the values for which they change nothing here.
 _NO_EFFECT_TOP: dict[str, NoEffect] = {
     **{block: (_disabled, '{"enabled": false}', "the feature is off") for block in (
-        "flops_profiler", "autotuning", "elasticity", "amp", "eigenvalue",
+        "flops_profiler", "autotuning", "amp", "eigenvalue",
         "progressive_layer_drop", "hybrid_engine", "nebula", "comet", "torch_autocast")},
     "comms_logger": (None, "", "every collective is always counted: zerotune.comm.comm_stats() / log_summary()"),
     "timers": (None, "", "the throughput timer always runs (engine.tput_timer)"),
@@ -138,6 +139,9 @@ class ZeroTuneConfig(Section):
     """DeepSpeed's data efficiency: its analyzer-free curriculum over the engine's data loader."""
     data_types: DataTypesConfig = Field(default_factory=DataTypesConfig)
     """DeepSpeed's ``grad_accum_dtype`` (no effect here: gradients accumulate in fp32; config/data_types.py)."""
+    elasticity: ElasticityConfig = Field(default_factory=ElasticityConfig)
+    """DeepSpeed's elastic batch: when enabled it chooses the batch triple for the data-parallel size
+    (config/elasticity.py, config/elastic_batch.py)."""
     sequence_parallel_size: AutoPosInt = 1
     """Ulysses sequence-parallel degree; 1 disables sequence parallelism."""
     steps_per_print: AutoPosInt = 10
