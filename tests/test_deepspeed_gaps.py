@@ -184,6 +184,29 @@ def test_engine_members_deepspeeds_checkpoint_tests_compare() -> None:
     assert names(SimpleNamespace(_config=SimpleNamespace(sparse_gradients=True), module=model)) == {"0.weight"}
 
 
+def _sparse_names_after_load(tmp: str, saved_sparse: bool, loaded_sparse: bool) -> dict:
+    def engine(sparse: bool):
+        return zerotune.initialize(model=nn.Sequential(nn.Embedding(4, 2), nn.Linear(2, 1)), config={
+            "train_micro_batch_size_per_gpu": 1, "sparse_gradients": sparse})[0]
+
+    saved, loaded = engine(saved_sparse), engine(loaded_sparse)
+    saved.save_checkpoint(tmp, tag="t")
+    before = loaded.sparse_tensor_module_names
+    loaded.load_checkpoint(tmp, tag="t", load_module_only=True)
+    module_only = loaded.sparse_tensor_module_names
+    loaded.load_checkpoint(tmp, tag="t", load_optimizer_states=False)
+    return {"before": before, "module_only": module_only, "after": loaded.sparse_tensor_module_names,
+            "saved": saved.sparse_tensor_module_names}
+
+
+@pytest.mark.parametrize("saved_sparse, loaded_sparse", [(False, True), (True, False)])
+def test_a_checkpoint_load_takes_the_saved_sparse_tensor_module_names(tmp_path, saved_sparse, loaded_sparse) -> None:
+    # DeepSpeed's load_checkpoint restores the engine's sparse_tensor_module_names from the checkpoint
+    result, = run_distributed(_sparse_names_after_load, 1, str(tmp_path), saved_sparse, loaded_sparse)
+    assert result["before"] == result["module_only"] == ({"0.weight"} if loaded_sparse else set())
+    assert result["after"] == result["saved"] == ({"0.weight"} if saved_sparse else set())
+
+
 def _tags_and_dirs() -> list[str]:
     """What DeepSpeed's checkpoint tests expect: different tags under tag_validation Fail raise an AssertionError
     on every rank, and an empty save directory is a ValueError (not a save into the working directory)."""

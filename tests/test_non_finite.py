@@ -17,7 +17,7 @@ from tests.harness import run_distributed
 from tests.logs import recorded_messages
 from tests.models import make_mlp, mlp_batch
 from zerotune.cli.main import main as cli
-from zerotune.config import ConfigError
+from zerotune.config import ConfigError, load_config
 from zerotune.precision.loss_scaler import NonFiniteError
 
 LIMIT = 3
@@ -66,6 +66,28 @@ def test_non_finite_gradients_skip_steps_then_stop_the_run_in_every_precision(pr
     else:
         assert re.fullmatch(rf"step 1 skipped: the gradient norm is (nan|inf) in {precision}; the first parameter "
                             "with a non-finite gradient is 'inp.weight', and this rank's loss is nan", warned[0])
+
+
+def _unchecked_bf16_run(stage: int) -> dict:
+    config = _config("bf16", stage)
+    config["bf16"]["check_grad_overflow"] = False
+    engine, *_ = zerotune.initialize(model=make_mlp(), config=config)
+    for step in range(LIMIT + 2):  # past max_consecutive_skipped_steps: nothing is skipped, nothing stops
+        batch = mlp_batch(step, 0, 2)
+        batch["x"][0, 0] = math.nan
+        engine.backward(engine(**batch))
+        engine.step()
+    finite = all(bool(torch.isfinite(p).all()) for p in engine.module.parameters())
+    result = {"skipped": engine.skipped_steps, "steps": engine.global_steps, "finite": finite}
+    engine.destroy()
+    return result
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_bf16_check_grad_overflow_false_applies_non_finite_steps_as_deepspeed(stage: int) -> None:
+    # DeepSpeed's bf16.check_grad_overflow: false -- no overflow check, the NaN reaches the weights
+    for result in run_distributed(_unchecked_bf16_run, 2, stage):
+        assert result == {"skipped": 0, "steps": LIMIT + 2, "finite": False}
 
 
 @pytest.mark.parametrize("params, path", [
@@ -122,3 +144,43 @@ def test_an_empty_batch_is_an_error_naming_the_step_and_rank() -> None:
     for rank, message in enumerate(messages):
         assert message.startswith(f"empty batch: the micro-batch of optimizer step 1, micro-step 0, on rank {rank} "
                                   "has 0 rows"), message
+
+
+class _HalfUsed(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = torch.nn.Linear(4, 1)
+        self.unused = torch.nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.used(x).square().mean()
+
+
+def _unused_parameter_run(stage: int, ignore: bool) -> str | None:
+    torch.manual_seed(0)
+    engine, *_ = zerotune.initialize(model=_HalfUsed(), config={
+        "train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+        "zero_optimization": {"stage": stage, "ignore_unused_parameters": ignore}})
+    try:
+        for _ in range(2):
+            engine.backward(engine(torch.ones(2, 4)))
+            engine.step()
+    except AssertionError as error:  # DeepSpeed's check is an assert: clients catch AssertionError
+        return str(error)
+    finally:
+        engine.destroy()
+    return None
+
+
+@pytest.mark.parametrize("stage, ignore", [(2, False), (2, True), (1, False)])
+def test_ignore_unused_parameters_false_stops_a_stage2_run_naming_the_parameters(stage: int, ignore: bool) -> None:
+    for error in run_distributed(_unused_parameter_run, 2, stage, ignore):
+        if stage == 2 and not ignore:
+            assert error is not None and error.startswith("zero_optimization.ignore_unused_parameters is false and 2 "
+                                                          "trainable parameter(s) got no gradient in this backward: "
+                                                          "unused.weight, unused.bias"), error
+        else:  # the default, and stages that do not check (a note says so): zero gradients
+            assert error is None
+    if stage != 2:
+        notes = dict(load_config({"zero_optimization": {"stage": stage, "ignore_unused_parameters": False}}).notes)
+        assert notes["zero_optimization.ignore_unused_parameters"].startswith(f"no effect here at stage {stage}")

@@ -211,11 +211,15 @@ def _engine_on_a_fake_stage() -> dict:
         built.append(FakeStage(trainable))
         return built[0]
 
+    real = initialize_module.build_zero_state
     initialize_module.build_zero_state = build_fake
-    model = make_mlp()
-    engine, *_ = zerotune.initialize(model=model, model_parameters=mlp_param_groups(model), config={
-        "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
-        "optimizer": ADAMW})
+    try:
+        model = make_mlp()
+        engine, *_ = zerotune.initialize(model=model, model_parameters=mlp_param_groups(model), config={
+            "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": GAS, "gradient_clipping": 1.0,
+            "optimizer": ADAMW})
+    finally:  # the pool worker runs later tests: they must build real stages
+        initialize_module.build_zero_state = real
     trace = engine_run(engine, mlp_batch, steps=STEPS, gas=GAS, global_rows=ROWS)
     engine.destroy()
     return {"trace": trace, "steps": built[0].steps, "is_state": engine.state is built[0]}

@@ -139,7 +139,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         grads = self.state.step_grads()
         scale = self.loss_scaler.loss_scale
         scaled_norm = self.state.grad_norm(grads)
-        overflow = not math.isfinite(scaled_norm)  # the global norm: every rank decides alike
+        # the global norm: every rank decides alike; bf16.check_grad_overflow false applies even a non-finite step
+        overflow = not math.isfinite(scaled_norm) and not self._applies_non_finite_steps()
         if overflow:
             self._last_grad_norm = scaled_norm
             self._skip_non_finite_step(scaled_norm, scale)
@@ -169,6 +170,10 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.zero_grad()
         for hook in self._post_step_hooks:
             hook(self)
+
+    def _applies_non_finite_steps(self) -> bool:
+        bf16 = self._config.bf16
+        return bf16.enabled is True and resolved(bf16.check_grad_overflow, "bf16.check_grad_overflow") is False
 
     def _stepping_optimizer(self) -> torch.optim.Optimizer:
         if self.optimizer is None:
@@ -267,7 +272,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
             gradient_accumulation_steps=self.gradient_accumulation_steps(), config=self.config,
             settings=self._checkpoint_settings(),
             counters=Counters(self.global_steps, self.global_samples, self.micro_steps, self.skipped_steps),
-            curriculum=self.curriculum_state(), compressor=self.compressor)
+            curriculum=self.curriculum_state(), compressor=self.compressor,
+            sparse_tensor_module_names=sorted(self.sparse_tensor_module_names))
 
     def _checkpoint_settings(self) -> CheckpointSettings:
         section = self._config.checkpoint
@@ -280,6 +286,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.global_steps, self.global_samples = counters.global_steps, counters.global_samples
         self.micro_steps, self.skipped_steps = counters.micro_steps, counters.skipped_steps
         self.load_curriculum_state(train.curriculum)
+        self.sparse_tensor_module_names = set(train.sparse_tensor_module_names)
 
     def _checkpoint_dir(self, given: str | None, method: str) -> str:
         if given is not None and str(given) != "":

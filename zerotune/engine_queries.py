@@ -37,11 +37,19 @@ class EngineQueries(torch.nn.Module):
     @property
     def sparse_tensor_module_names(self) -> set[str]:
         """DeepSpeed's names of the embedding weights ``sparse_gradients: true`` covers (every ``nn.Embedding`` /
-        ``nn.EmbeddingBag`` weight); zerotune reduces their gradients dense, in the buckets (the same values)."""
+        ``nn.EmbeddingBag`` weight); zerotune reduces their gradients dense, in the buckets (the same values).
+        A checkpoint load replaces it with the saved engine's record, as DeepSpeed's load does."""
+        loaded = getattr(self, "_loaded_sparse_names", None)
+        if loaded is not None:
+            return set(loaded)
         if self._config.sparse_gradients is not True:
             return set()
         return {f"{name}.weight" if name else "weight" for name, module in self.module.named_modules()
                 if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag))}
+
+    @sparse_tensor_module_names.setter
+    def sparse_tensor_module_names(self, names: set[str]) -> None:
+        self._loaded_sparse_names = set(names)
 
     @property
     def device(self) -> torch.device:

@@ -132,7 +132,7 @@ def _write_checkpoint(train: TrainState, save_dir: str, tag: str | None, client_
             "optimizer_groups": train.group_hyperparameters(), "layout": _layout(train),
             "model_description": model_description(train.module),
             "trainable_names": [n for n, p in train.module.named_parameters() if p.requires_grad],
-            "curriculum": train.curriculum,
+            "curriculum": train.curriculum, "sparse_tensor_module_names": train.sparse_tensor_module_names,
         }, staging / model_file(train)))
     # stage 0: masters and optimizer state are replicated (the first replica saves them); stages 1-3: every
     # rank saves its own slice; stage 3 also its weight shards
@@ -231,6 +231,8 @@ def load_engine_checkpoint(train: TrainState, load_dir: str, tag: str | None, *,
     train.counters = Counters(**{name: saved[name] for name in ("global_steps", "global_samples", "micro_steps",
                                                                  "skipped_steps")})
     train.curriculum = saved.get("curriculum") or {}
+    if "sparse_tensor_module_names" in saved:  # (checkpoints from before it was recorded keep this engine's)
+        train.sparse_tensor_module_names = list(saved["sparse_tensor_module_names"])
     rng_path = directory / rng_file(train.rank)
     if rng_path.is_file():
         set_rng_state(read_file(rng_path, "RNG state"))

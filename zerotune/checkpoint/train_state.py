@@ -66,6 +66,9 @@ class TrainState:
     counters: Counters
     curriculum: dict = field(default_factory=dict)
     compressor: TopKCompressor | None = None
+    sparse_tensor_module_names: list[str] = field(default_factory=list)
+    """DeepSpeed's record of the embeddings ``sparse_gradients`` covered; a load takes the saved one (as
+    DeepSpeed's engine does) -- a report only: zerotune reduces every gradient dense."""
 
     @property
     def dp_world_size(self) -> int:

@@ -124,6 +124,11 @@ def check_cross_section(cfg: ZeroTuneConfig) -> None:
         cfg._notes.append(("zero_optimization.offload_param.device",
                            f"no effect here: parameter offload ('{zero.offload_param.device}') needs "
                            f"zero_optimization.stage 3 and the stage is {zero.stage}; parameters stay with the model"))
+    if zero.ignore_unused_parameters is False and isinstance(zero.stage, int) and zero.stage != 2:
+        cfg._notes.append(("zero_optimization.ignore_unused_parameters",
+                           f"no effect here at stage {zero.stage}: a parameter without a gradient takes a zero one "
+                           "(only stage 2 checks that every trainable parameter got a gradient, as DeepSpeed's "
+                           "ZeRO 1/2 optimizer does)"))
     check_grad_accum_dtype(cfg)
     if cfg.checkpoint.auto_resume is True and not cfg.checkpoint.save_dir:
         raise ConfigError("checkpoint.auto_resume", "needs checkpoint.save_dir: the directory to resume from (and "

@@ -76,14 +76,15 @@ class BF16Config(Section):
 
     NO_EFFECT: ClassVar[dict[str, NoEffect]] = {
         "immediate_grad_update": (None, "", "gradients always accumulate in fp32 buffers as backward produces them"),
-        "check_grad_overflow": (None, "",
-                                "a step with a non-finite gradient norm is always skipped, in every precision"),
         "bf16_master_weights_and_grads": (lambda v: v is False, "false", "masters and gradients are always fp32"),
         "bf16_optimizer_states": (lambda v: v is False, "false", "optimizer state is always fp32"),
     }
 
     enabled: AutoBool = False
     """Train with bfloat16 compute and fp32 master weights."""
+    check_grad_overflow: AutoBool = True
+    """Skip a step whose gradient norm is not finite (as in every precision); false applies it anyway, as
+    DeepSpeed's bf16 does then (the non-finite values reach the weights)."""
 
 
 class ActivationCheckpointingConfig(Section):

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from .errors import ConfigError
 from .pydantic_errors import show_value
-from .section import Section
+from .section import NoEffect, Section
 from .types import (
     AutoBool,
     AutoFraction,
@@ -51,10 +51,14 @@ class OffloadParamConfig(Section):
 class OffloadOptimizerConfig(Section):
     """``zero_optimization.offload_optimizer``: where the optimizer state lives and steps."""
 
-    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"pipeline", "pipeline_read", "pipeline_write"})
+    NO_EFFECT: ClassVar[dict[str, NoEffect]] = {
+        "pipeline": (None, "", "NVMe swapping always overlaps the step (pipeline_read / pipeline_write)"),
+    }
     NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
         "fast_init": "optimizer state is created lazily on the host or in the swap files either way",
         "ratio": "the whole optimizer state is offloaded (a partial ratio is a GPU-side speed trade-off)",
+        "pipeline_read": "the next chunk's swap-in always overlaps the step of this one (offload/nvme_optimizer.py)",
+        "pipeline_write": "swap-outs are always written asynchronously while the next chunk steps",
     }
 
     device: OffloadDevice = "none"
@@ -69,6 +73,15 @@ class OffloadOptimizerConfig(Section):
     """Speed up optimizer-state initialisation when offloading to NVMe."""
     ratio: AutoFraction = 1.0
     """Fraction of the optimizer state (and step) placed on the offload device."""
+    pipeline_read: AutoBool = False
+    """Overlap NVMe swap-in with the step (DeepSpeed's switch; always done here)."""
+    pipeline_write: AutoBool = False
+    """Overlap NVMe swap-out with the step (DeepSpeed's switch; always done here)."""
+
+    @property
+    def pipeline(self) -> bool:
+        """DeepSpeed's derived flag: whether either swap direction was asked to be pipelined."""
+        return self.pipeline_read is True or self.pipeline_write is True
 
 
 class ZeroConfig(Section):
@@ -101,7 +114,6 @@ class ZeroConfig(Section):
         "stage3_model_persistence_threshold": "persistence is decided per unit (stage3_param_persistence_threshold)",
         "stage3_max_reuse_distance": "stage 3 releases each unit after use and prefetches by recorded order",
         "stage3_module_granularity_threshold": "stage-3 units are transformer blocks (or modules owning parameters)",
-        "ignore_unused_parameters": "parameters without a gradient are always tolerated (zero gradient)",
         "round_robin_gradients": "host copies of gradients are issued as each bucket's reduction completes",
         "memory_efficient_linear": "stage 3 keeps only the unit being computed gathered, with torch's own linear",
         "mics_hierarchical_params_gather": "MiCS is not implemented (mics_shard_size must stay -1)",

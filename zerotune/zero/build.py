@@ -108,12 +108,15 @@ def _build_stage1_or_2(zero: Any, group_params: list[list[torch.nn.Parameter]], 
                                             compressor=compressor, comm_dtype=wire)
     else:
         position = {id(p): i for i, p in enumerate(trainable)}
+        required = None if zero.ignore_unused_parameters is not False else {
+            id(param): name for name, param in model.named_parameters() if id(param) in position}
 
         def make_grad_sync(flat_groups: list, on_final_grad: Any
                            ) -> ReduceAtBoundaryGradSync | BucketedReduceGradSync:
             return BucketedReduceGradSync(flat_groups, group, bucket_numel=bucket, position=position,
                                           predivide_factor=predivide, max_in_flight=2 if zero.overlap_comm else 0,
-                                          compressor=compressor, on_final_grad=on_final_grad, comm_dtype=wire)
+                                          compressor=compressor, on_final_grad=on_final_grad, comm_dtype=wire,
+                                          require_all_grads=required)
     state = ShardedState(group_params, policy, group, allgather_bucket_numel=int(zero.allgather_bucket_size),
                          make_grad_sync=make_grad_sync, placement=placement, stage_grads=zero.stage == 2,
                          model_parallel_norm=norm)

@@ -61,6 +61,11 @@ def plan_buckets(flat_groups: Sequence[FlatParamGroup], bucket_numel: int,
     return [pieces for pieces, _ in planned], [target for _, target in planned]
 
 
+class UnusedParameterError(AssertionError):
+    """A trainable parameter took no part in the loss while ``ignore_unused_parameters`` is false. An
+    ``AssertionError``, as DeepSpeed's check is an assert (code written against it catches that)."""
+
+
 class BucketedReduceGradSync:
     """Only the owner keeps a gradient slice; buckets are reduced to it as backward runs."""
 
@@ -70,8 +75,11 @@ class BucketedReduceGradSync:
                  bucket_numel: int, position: dict[int, int], predivide_factor: float = 1.0,
                  max_in_flight: int = 2, compressor: compression.TopKCompressor | None = None,
                  on_final_grad: Callable[[int, int, torch.Tensor], None] | None = None,
-                 comm_dtype: torch.dtype | None = None) -> None:
+                 comm_dtype: torch.dtype | None = None, require_all_grads: dict[int, str] | None = None) -> None:
         self.flat_groups = list(flat_groups)
+        self.require_all_grads = require_all_grads
+        """``ignore_unused_parameters: false``: id(param) -> name; a round where one got no gradient is an error."""
+        self._ready: set[int] = set()
         self.comm_dtype = comm_dtype  # communication_data_type: the buckets are reduced in it
         self.group = group
         world = 1 if group is None else dist.get_world_size(group)
@@ -105,6 +113,7 @@ class BucketedReduceGradSync:
             self._complete_round()
         self._boundary = is_boundary
         self.buckets.start_round()
+        self._ready.clear()
         self._round_open = True
 
     def _buffer_for(self, bucket: Bucket) -> torch.Tensor:
@@ -125,6 +134,7 @@ class BucketedReduceGradSync:
             bucket.view(piece).copy_(piece.of(grad))
         param.grad = None
         if self._round_open:
+            self._ready.add(id(param))
             self.buckets.mark_ready(param)
 
     def _launch(self, bucket: Bucket) -> None:
@@ -160,6 +170,8 @@ class BucketedReduceGradSync:
         self._returning.later(self._storage_of.pop(id(bucket)), self._streams.mark("reduce"))
 
     def _complete_round(self) -> None:
+        if self.require_all_grads is not None:
+            self._check_every_param_had_a_grad()
         self.buckets.launch_remaining()
         while self._in_flight:
             self._retire_oldest()
@@ -167,6 +179,17 @@ class BucketedReduceGradSync:
         self._returning.poll()  # (storages the reduce stream still reads come back at a later poll)
         del self._free_buffers[max(1, self.max_in_flight):]  # keep a few for reuse, not a whole model's worth
         self._round_open = False
+
+    def _check_every_param_had_a_grad(self) -> None:
+        assert self.require_all_grads is not None
+        unused = [name for key, name in self.require_all_grads.items() if key not in self._ready]
+        if unused:
+            self._round_open = False  # the round is abandoned with the error: nothing of it is reduced
+            raise UnusedParameterError(
+                f"zero_optimization.ignore_unused_parameters is false and {len(unused)} trainable parameter(s) got "
+                f"no gradient in this backward: {', '.join(unused[:5])}{' ...' if len(unused) > 5 else ''}. Set "
+                "ignore_unused_parameters true (the default: they take a zero gradient), or make every trainable "
+                "parameter take part in the loss")
 
     def finish(self, ties: Sequence[TiedWeight] = ()) -> None:
         """Complete the boundary micro-step's reductions; ``shard_grad(g)`` then holds the mean gradient, and each
