@@ -89,6 +89,22 @@ def test_config_adam_builds_deepspeeds_fused_adam_class() -> None:
     assert not isinstance(optimizer, ops.FusedAdam)  # torch_adam: DeepSpeed builds torch's own class
 
 
+def test_the_returned_optimizer_carries_the_engines_loss_scaler_as_deepspeeds() -> None:
+    model = nn.Linear(4, 2)
+    engine, optimizer, _, _ = zerotune.initialize(model=model, config={
+        "train_batch_size": 1, "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 1},
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2}})
+    assert optimizer.dynamic_loss_scale is True and optimizer.loss_scaler is engine.loss_scaler
+    assert optimizer.loss_scaler.cur_scale == 2**8 and optimizer.loss_scaler.scale_window == 2
+    for _ in range(2):
+        engine.backward(engine(torch.ones(1, 4, dtype=torch.float16)).float().sum())
+        engine.step()
+    assert optimizer.loss_scaler.cur_iter == 2 and optimizer.loss_scaler.cur_scale == 2**9  # the window doubled it
+    _, static, _, _ = zerotune.initialize(model=nn.Linear(4, 2), config={"train_batch_size": 1,
+                                                                         "optimizer": {"type": "SGD"}})
+    assert static.dynamic_loss_scale is False and static.loss_scaler.cur_scale == 1.0
+
+
 def test_deepspeed_zero_config_answers_deepspeeds_attribute_names() -> None:
     from zerotune.compat.zero_config import DeepSpeedZeroConfig, DeepSpeedZeroOffloadParamConfig
 

@@ -4,7 +4,7 @@
 ``zerotune.initialize``. The engine classes do not import ``initialize`` (it builds them), so the spellings are
 attached here, by the package facade (``zerotune/__init__.py``) when zerotune is imported. Likewise every
 stage-3 engine's optimizer gets DeepSpeed's ``parameter_offload`` (``parameter_offload.py``), through which TRL
-drops and re-adds the module hooks around generation.
+drops and re-adds the module hooks around generation, and every engine's optimizer the loss scaler.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from zerotune.engine import Engine
 from zerotune.engine_core import EngineCore, register_engine_extension
 from zerotune.initialize import initialize
 from zerotune.pipe.engine import set_model_builder
+from zerotune.precision.loss_scaler import DynamicLossScaler
 
 
 def _initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
@@ -36,11 +37,21 @@ def _attach_parameter_offload(engine: EngineCore) -> None:
         engine.optimizer.parameter_offload = DeepSpeedZeRoOffload(engine.module, engine.state)  # type: ignore[attr-defined]
 
 
+def _attach_loss_scaler(engine: EngineCore) -> None:
+    """DeepSpeed's fp16 / ZeRO optimizers carry the loss scaler (``optimizer.loss_scaler.cur_scale``,
+    ``optimizer.dynamic_loss_scale``), which clients and DeepSpeed's tests read off what ``initialize`` returned:
+    the engine's own scaler object, so it follows every step."""
+    if engine.optimizer is not None:
+        engine.optimizer.loss_scaler = engine.loss_scaler  # type: ignore[attr-defined]
+        engine.optimizer.dynamic_loss_scale = isinstance(engine.loss_scaler, DynamicLossScaler)  # type: ignore[attr-defined]
+
+
 def install_spellings() -> None:
     """Idempotent."""
     Engine.initialize = staticmethod(_initialize)  # type: ignore[attr-defined]
     set_model_builder(_engine_from_model)
     register_engine_extension(_attach_parameter_offload)
+    register_engine_extension(_attach_loss_scaler)
 
 
 __all__ = ["install_spellings"]
