@@ -207,6 +207,18 @@ def test_a_checkpoint_load_takes_the_saved_sparse_tensor_module_names(tmp_path, 
     assert result["after"] == result["saved"] == ({"0.weight"} if saved_sparse else set())
 
 
+def test_a_non_strict_load_merges_sparse_names_by_deepspeeds_rule() -> None:
+    from zerotune.checkpoint.engine_parts import loaded_sparse_names
+
+    # kept unless the checkpoint had it dense; the checkpoint's sparse names added where they are parameters here
+    assert loaded_sparse_names({"emb.weight"}, set(), {"emb.weight", "linear.weight"}, {"linear.weight"},
+                               strict=False) == ["emb.weight"]
+    assert loaded_sparse_names({"emb.weight"}, set(), {"emb.weight"}, {"emb.weight"}, strict=False) == []
+    assert loaded_sparse_names(set(), {"emb.weight"}, {"linear.weight"}, {"emb.weight"}, strict=False) == []
+    assert loaded_sparse_names(set(), {"emb.weight"}, {"emb.weight"}, {"emb.weight"}, strict=False) == ["emb.weight"]
+    assert loaded_sparse_names({"a.weight"}, {"emb.weight"}, {"a.weight"}, set(), strict=True) == ["emb.weight"]
+
+
 def _tags_and_dirs() -> list[str]:
     """What DeepSpeed's checkpoint tests expect: different tags under tag_validation Fail raise an AssertionError
     on every rank, and an empty save directory is a ValueError (not a save into the working directory)."""

@@ -21,7 +21,7 @@ import json
 import random
 import re
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Iterable, Protocol, runtime_checkable
 
 import numpy as np
 import torch
@@ -163,3 +163,17 @@ def _jsonable(value: object) -> object:
     if isinstance(value, (set, frozenset)):
         return sorted(value)
     return str(value)
+
+
+def loaded_sparse_names(current: Iterable[str], saved: Iterable[str], current_params: Iterable[str],
+                        saved_params: Iterable[str], *, strict: bool) -> list[str]:
+    """The ``sparse_tensor_module_names`` after a load, by DeepSpeed's rule: a strict load takes the saved record;
+    a non-strict one keeps this engine's names except those the checkpoint had as dense parameters, and adds the
+    checkpoint's sparse names that are parameters here."""
+    saved = set(saved)
+    if strict:
+        return sorted(saved)
+    saved_params, current_params = set(saved_params), set(current_params)
+    kept = {name for name in current if name not in saved_params or name in saved}
+    return sorted(kept | (saved & current_params))
+

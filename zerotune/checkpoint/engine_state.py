@@ -45,6 +45,7 @@ from zerotune.checkpoint.engine_parts import (
     frozen_fingerprint,
     frozen_names,
     load_compression_state,
+    loaded_sparse_names,
     model_description,
     model_file,
     module_state,
@@ -232,7 +233,10 @@ def load_engine_checkpoint(train: TrainState, load_dir: str, tag: str | None, *,
                                                                  "skipped_steps")})
     train.curriculum = saved.get("curriculum") or {}
     if "sparse_tensor_module_names" in saved:  # (checkpoints from before it was recorded keep this engine's)
-        train.sparse_tensor_module_names = list(saved["sparse_tensor_module_names"])
+        saved_params = set(saved["module"] or {}) | set(saved["trainable_names"])
+        train.sparse_tensor_module_names = loaded_sparse_names(
+            train.sparse_tensor_module_names, saved["sparse_tensor_module_names"],
+            (name for name, _ in train.module.named_parameters()), saved_params, strict=load_module_strict)
     rng_path = directory / rng_file(train.rank)
     if rng_path.is_file():
         set_rng_state(read_file(rng_path, "RNG state"))
