@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from zerotune.compat.paths import DeepSpeedFeatureNotSupported
 from zerotune.distributed.mesh import latest_mesh
 
 _singleton: dist.ProcessGroup | None = None
@@ -100,3 +101,123 @@ def _get_sequence_parallel_rank() -> int:
 
 def _get_pipe_parallel_group() -> dist.ProcessGroup:
     return _group("pp")
+
+
+# ---- expert groups ---------------------------------------------------------------------------
+# zerotune has no mixture-of-experts layer (compat/moe.py refuses one), but DeepSpeed code builds DeepSpeed's
+# expert groups itself and reduces over them (deepspeed.runtime.utils.CheckOverflow, for parameters marked
+# ``allreduce = False``). They are kept as DeepSpeed keeps them: by name ("ep_size_N"), this rank's groups
+# only, and forgotten when torch.distributed's world is created anew.
+_expert_world: object = None
+_expert_groups: dict[str, dist.ProcessGroup] = {}
+_expert_data_groups: dict[str, dist.ProcessGroup] = {}
+
+
+def expert_rank_lists(world: int, expert_size: int, pipe_size: int = 1, data_before_expert: bool = False
+                      ) -> tuple[list[list[int]], list[list[int]]]:
+    """DeepSpeed's layout of (expert-parallel, expert-data-parallel) rank lists within each pipeline stage.
+
+    Experts consecutive (default): world 8, 2 experts -> experts [0, 1], [2, 3], ...; their data parallel
+    [0, 2, 4, 6], [1, 3, 5, 7]. ``data_before_expert``: data parallel consecutive, [0, 1, 2, 3], [4, 5, 6, 7];
+    experts strided across them, [0, 4], [1, 5], [2, 6], [3, 7].
+    """
+    if pipe_size < 1 or world % pipe_size:
+        raise ValueError(f"expert groups: pipeline size {pipe_size} does not divide the world size {world}")
+    stage = world // pipe_size
+    if expert_size < 1 or stage % expert_size:
+        raise ValueError(f"expert groups: expert parallel size {expert_size} does not divide the {stage} ranks of "
+                         "a pipeline stage")
+    experts, data = [], []
+    for start in range(0, world, stage):
+        ranks = list(range(start, start + stage))
+        if data_before_expert:
+            stride = stage // expert_size
+            experts += [ranks[i::stride] for i in range(stride)]
+            data += [ranks[i:i + stride] for i in range(0, stage, stride)]
+        else:
+            experts += [ranks[i:i + expert_size] for i in range(0, stage, expert_size)]
+            data += [ranks[i::expert_size] for i in range(expert_size)]
+    return experts, data
+
+
+def _current_expert_groups() -> tuple[dict[str, dist.ProcessGroup], dict[str, dist.ProcessGroup]]:
+    global _expert_world
+    if _expert_world is not _world():  # a new world: the old groups are gone with it
+        _expert_world = _world()
+        _expert_groups.clear()
+        _expert_data_groups.clear()
+    return _expert_groups, _expert_data_groups
+
+
+def _create_expert_and_data_parallel(expert_parallel_size_: int, mp_size: int | None = None,
+                                     pp_size: int | None = None, mp_mode: str = "tp",
+                                     use_data_before_expert_parallel_: bool = False,
+                                     folding_spec: object = None) -> None:
+    """DeepSpeed's expert and expert-data-parallel groups of size ``expert_parallel_size_`` (collective: every
+    rank creates every group, once per size). Without model parallelism only, as zerotune has no expert layers
+    that would combine with it."""
+    if (mp_size or 1) > 1 or folding_spec is not None:
+        raise DeepSpeedFeatureNotSupported("deepspeed.utils.groups._create_expert_and_data_parallel",
+                                           "expert groups combined with model parallelism (mp_size > 1, AutoEP "
+                                           "folding)")
+    experts, data = _current_expert_groups()
+    name = f"ep_size_{expert_parallel_size_}"
+    if name in experts:
+        return
+    pipe = pp_size if pp_size is not None else _size("pp")
+    expert_lists, data_lists = expert_rank_lists(dist.get_world_size(), expert_parallel_size_, pipe,
+                                                 use_data_before_expert_parallel_)
+    rank = dist.get_rank()
+    for ranks in data_lists:  # DeepSpeed's creation order (data groups first), which every rank must share
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            data[name] = group
+    for ranks in expert_lists:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            experts[name] = group
+
+
+def _get_expert_parallel_group(group_name: str) -> dist.ProcessGroup:
+    return _expert_group(group_name, _current_expert_groups()[0])
+
+
+def _get_expert_data_parallel_group(group_name: str) -> dist.ProcessGroup:
+    return _expert_group(group_name, _current_expert_groups()[1])
+
+
+def _get_expert_parallel_world_size(group_name: str) -> int:
+    return dist.get_world_size(_get_expert_parallel_group(group_name))
+
+
+def _get_expert_parallel_rank(group_name: str) -> int:
+    return dist.get_rank(_get_expert_parallel_group(group_name))
+
+
+def _get_expert_data_parallel_world_size(group_name: str) -> int:
+    return dist.get_world_size(_get_expert_data_parallel_group(group_name))
+
+
+def _get_expert_data_parallel_rank(group_name: str) -> int:
+    return dist.get_rank(_get_expert_data_parallel_group(group_name))
+
+
+def _get_max_expert_size() -> int | None:
+    """The largest expert-parallel size created (None before any)."""
+    sizes = [int(name[len("ep_size_"):]) for name in _current_expert_groups()[0]]
+    return max(sizes) if sizes else None
+
+
+def _get_max_expert_parallel_group() -> dist.ProcessGroup:
+    size = _get_max_expert_size()
+    if size is None:
+        raise RuntimeError("deepspeed.utils.groups: no expert groups exist; call "
+                           "groups._create_expert_and_data_parallel(expert_parallel_size) first")
+    return _get_expert_parallel_group(f"ep_size_{size}")
+
+
+def _expert_group(name: str, groups: dict[str, dist.ProcessGroup]) -> dist.ProcessGroup:
+    if name not in groups:
+        raise KeyError(f"deepspeed.utils.groups: no expert group {name!r}; created: {sorted(groups) or 'none'} "
+                       "(groups._create_expert_and_data_parallel makes them)")
+    return groups[name]

@@ -100,14 +100,20 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "_get_model_parallel_group", "_get_model_parallel_world_size", "_get_model_parallel_rank",
         "_get_sequence_parallel_group", "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank",
         "_get_pipe_parallel_group", "get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size",
-        "get_tensor_model_parallel_rank")),
+        "get_tensor_model_parallel_rank", "_create_expert_and_data_parallel", "_get_expert_parallel_group",
+        "_get_expert_data_parallel_group", "_get_expert_parallel_world_size", "_get_expert_parallel_rank",
+        "_get_expert_data_parallel_world_size", "_get_expert_data_parallel_rank", "_get_max_expert_size",
+        "_get_max_expert_parallel_group")),
     "deepspeed.runtime": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine", "DeepSpeedConfig", "zero", "pipe",
                                                             "lr_schedules", "utils")),
     "deepspeed.runtime.engine": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine",)),
     "deepspeed.runtime.config": Mapped("zerotune.compat.runtime", (
         "DeepSpeedConfig", "DeepSpeedConfigError", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER",
         "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "DEEPSPEED_OPTIMIZERS")),
-    "deepspeed.runtime.utils": Mapped("zerotune.compat.runtime", ("set_random_seed", "see_memory_usage")),
+    "deepspeed.runtime.utils": Mapped("zerotune.compat.runtime_utils", (
+        "set_random_seed", "see_memory_usage", "call_to_str", "prefix_sum_inc", "partition_uniform",
+        "partition_balanced", "is_model_parallel_parameter", "clip_grad_norm_", "get_weight_norm", "CheckOverflow",
+        "check_internal_apis_for_count_used_parameters", "count_used_parameters_in_backward")),
     "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
     "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (
         "is_compile_supported", "disable", "enable", "is_compiling", "compiled_autograd")),

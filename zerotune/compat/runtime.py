@@ -8,7 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zerotune.compat import lr_schedules, pipe, zero
+from zerotune.compat import lr_schedules, pipe, runtime_utils, zero
+from zerotune.compat.runtime_utils import see_memory_usage
 from zerotune.compat.utils import RepeatingLoader, set_random_seed
 from zerotune.config import ConfigError as DeepSpeedConfigError
 from zerotune.config import load_config, resolve_config
@@ -30,8 +31,9 @@ __all__ = ["ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIM
            "DeepSpeedConfigError", "RepeatingLoader", "set_random_seed", "see_memory_usage", "zero", "pipe",
            "lr_schedules", "utils"]
 
-# deepspeed.runtime.{engine, config, utils, dataloader} are all this module under the alias.
-engine = config = utils = dataloader = sys.modules[__name__]
+# deepspeed.runtime.{engine, config, dataloader} are this module under the alias; runtime.utils has its own.
+engine = config = dataloader = sys.modules[__name__]
+utils = runtime_utils
 
 
 class DeepSpeedConfig:
@@ -71,14 +73,3 @@ class DeepSpeedConfig:
 
     def print(self, name: str) -> None:
         get_logger().info("%s: %s", name, self._param_dict)
-
-
-def see_memory_usage(message: str, force: bool = False) -> None:
-    """Log this process's memory (DeepSpeed's helper); only when ``force`` is true, as DeepSpeed."""
-    if not force:
-        return
-    from zerotune.compat.accelerator import get_accelerator
-
-    accelerator = get_accelerator()
-    get_logger().info("%s | allocated %.2f GB | max allocated %.2f GB", message,
-                      accelerator.memory_allocated() / 2**30, accelerator.max_memory_allocated() / 2**30)

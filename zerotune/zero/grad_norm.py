@@ -67,3 +67,32 @@ class ModelParallelNorm:
 
     groups: tuple
     counted_here: Callable[[torch.nn.Parameter], bool]
+
+
+def clip_grads_to_norm_(params: Sequence[torch.nn.Parameter], max_norm: float, *,
+                        model_norm: ModelParallelNorm | None = None,
+                        rank_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Scale the gradients of ``params`` in place so their global L2 norm is at most ``max_norm``; return that
+    norm before clipping, a float32 tensor on the first gradient's device (``inf`` when not finite).
+
+    For scripts that clip outside the engine (DeepSpeed's ``runtime.utils.clip_grad_norm_``); the engine clips
+    within its own step. The norm is ``global_grad_norm``'s, summed over ``model_norm``'s groups (each rank
+    holds its own parameters there; a replicated one is counted where ``counted_here`` says). ``rank_group``
+    holds ranks whose gradients may differ (expert parameters, gradients not yet reduced) and must still clip
+    by one factor: they share the root mean square of their norms, as the engine does for per-rank gradients,
+    which is each rank's own norm when they hold the same gradients.
+
+    The factor is ``torch.nn.utils.clip_grad_norm_``'s (``max_norm / (norm + 1e-6)`` in fp32, at most 1), so
+    one process clips exactly as torch does. Every rank of the groups must call it (collectives).
+    """
+    counted_here = model_norm.counted_here if model_norm is not None else None
+    grads = [p.grad for p in params if p.grad is not None]
+    counted = [p.grad for p in params if p.grad is not None and (counted_here is None or counted_here(p))]
+    norm = global_grad_norm(counted, shard_group=rank_group, model_groups=model_norm.groups if model_norm else ())
+    if rank_group is not None:
+        norm /= math.sqrt(dist.get_world_size(rank_group))
+    total = torch.tensor(norm, dtype=torch.float32, device=grads[0].device if grads else torch.device("cpu"))
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient.to(grad.device))
+    return total
