@@ -17,10 +17,13 @@
 # the work directory so no DeepSpeed source tree sits beside them: the zerotune side imports only the
 # alias (a fresh venv with `zerotune deepspeed-alias install`), the baseline only the installed wheel.
 # Both venvs see this environment's packages (torch, transformers, pytest, zerotune) through a .pth file.
+# Harness-only packages: DeepSpeed's tests import a few of DeepSpeed's own dependencies directly (hjson, for
+# runtime/test_ds_config_dict.py); the DeepSpeed venv has them from the wheel, and the script pip-installs them
+# into the zerotune venv alone (never into this environment), so they stay out of zerotune's dependencies.
 # Work directory: $CONFORMANCE_DIR (default ${TMPDIR:-/tmp}/zerotune-conformance); results/ keeps the XML.
 set -uo pipefail
 
-usage() { sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 2; }  # the header
 [ $# -ge 1 ] || usage
 ds_repo=$1; shift
 baseline="" timeout_s=900 report_only=0 patterns=()
@@ -38,6 +41,7 @@ done
 here=$(cd "$(dirname "$0")/.." && pwd)
 python=${PYTHON:-python3}
 work=${CONFORMANCE_DIR:-${TMPDIR:-/tmp}/zerotune-conformance}
+harness_packages=(hjson)  # import name = PyPI name for each
 mkdir -p "$work/results"
 
 make_venv() {  # make_venv DIR [pip]: a venv (with pip if asked) that also sees this environment's site-packages
@@ -54,6 +58,12 @@ if [ "$report_only" = 0 ]; then
   rm -rf "$work/tests" && cp -r "$ds_repo/tests" "$work/tests"
   make_venv "$work/zerotune" || exit 1
   "$work/zerotune/bin/python" -m zerotune.cli.main deepspeed-alias install || exit 1
+  for package in "${harness_packages[@]}"; do  # see the header: for DeepSpeed's tests, not for zerotune
+    "$work/zerotune/bin/python" -c "import $package" 2>/dev/null && continue
+    "$python" -m pip install -q --disable-pip-version-check --no-deps \
+      --target "$("$work/zerotune/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
+      "$package" || echo "deepspeed_conformance: could not install '$package'; modules importing it will not collect" >&2
+  done
   sides=(zerotune)
   if [ -n "$baseline" ]; then
     make_venv "$work/deepspeed" pip || exit 1
