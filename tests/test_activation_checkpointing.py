@@ -210,6 +210,45 @@ def test_bad_policy_values_name_the_key() -> None:
         ds_checkpointing.configure(None, deepspeed_config=42)
 
 
+def test_contiguous_checkpointing_needs_partitioning_then_the_number_of_layers_as_deepspeed_asserts() -> None:
+    with pytest.raises(ac.ContiguousCheckpointingError, match="needs partition_activations"):
+        ds_checkpointing.configure(None, contiguous_checkpointing=True, num_checkpoints=4)
+    with pytest.raises(AssertionError, match="number of layers"):  # checked before partitioning is refused
+        ds_checkpointing.configure(None, partition_activations=True, contiguous_checkpointing=True)
+    assert not ds_checkpointing.is_configured()
+
+
+def test_deepspeeds_module_globals_read_and_write_the_policy_in_force() -> None:
+    cp = ds_checkpointing
+    saved = (cp.PARTITION_ACTIVATIONS, cp.CONTIGUOUS_CHECKPOINTING, cp.num_layers, cp.CPU_CHECKPOINT, cp.SYNCHRONIZE,
+             cp.PROFILE_TIME, cp.mpu, cp.deepspeed_checkpointing_enabled)
+    assert saved == (False, False, None, False, False, False, None, False)
+    (cp.PARTITION_ACTIVATIONS, cp.CONTIGUOUS_CHECKPOINTING, cp.num_layers, cp.CPU_CHECKPOINT, cp.SYNCHRONIZE,
+     cp.PROFILE_TIME, cp.mpu, cp.deepspeed_checkpointing_enabled) = saved  # restoring what is in force: no-op
+    assert not cp.is_configured()
+    cp.configure(None, num_checkpoints=3, profile=True)
+    assert (cp.num_layers, cp.PROFILE_TIME, cp.deepspeed_checkpointing_enabled) == (3, True, True)
+    cp.CPU_CHECKPOINT = True  # one setting changes, the others stay
+    assert cp.configured_policy() == CheckpointPolicy(cpu_checkpointing=True, number_checkpoints=3, profile=True)
+    with pytest.raises(NotSupportedYetError, match="partition_activations"):
+        cp.PARTITION_ACTIVATIONS = True
+    with pytest.raises(NotSupportedYetError, match="mpu"):
+        cp.mpu = object()
+    with pytest.raises(AttributeError, match="follows configure"):
+        cp.deepspeed_checkpointing_enabled = False
+
+
+def test_non_reentrant_checkpoint_is_its_own_function_with_the_same_results() -> None:
+    assert ds_checkpointing.non_reentrant_checkpoint is not ds_checkpointing.checkpoint
+    x = torch.randn(3, 4, requires_grad=True)
+    weight = torch.randn(4, 4, requires_grad=True)
+    first = ds_checkpointing.checkpoint(lambda a: torch.tanh(a @ weight), x)
+    second = ds_checkpointing.non_reentrant_checkpoint(lambda a: torch.tanh(a @ weight), x)
+    assert torch.equal(first, second)
+    (first.sum() + second.sum()).backward()
+    assert x.grad is not None and weight.grad is not None
+
+
 def test_number_checkpoints_spreads_the_blocks_evenly() -> None:
     model = _gpt2_with_dropout(n_layer=12, n_embd=8)
     assert apply_activation_checkpointing(model, CheckpointPolicy(number_checkpoints=4)) == \

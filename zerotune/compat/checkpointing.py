@@ -5,6 +5,12 @@ The checkpointing itself is ``zerotune.parallel.activation_checkpointing``, re-e
 names, with the zerotune extension that checkpoints a model's transformer blocks
 (``apply_activation_checkpointing``, ``parallel/block_checkpointing.py``).
 
+DeepSpeed's module globals (``PARTITION_ACTIVATIONS``, ``CONTIGUOUS_CHECKPOINTING``, ``num_layers``,
+``CPU_CHECKPOINT``, ``SYNCHRONIZE``, ``PROFILE_TIME``, ``mpu``, ``deepspeed_checkpointing_enabled``) read the
+policy in force, so they follow ``configure()`` and the running engine as DeepSpeed's follow its
+``configure()``. Assigning one reconfigures that one setting (what the policy refuses is refused);
+assigning the value already in force changes nothing, so code that saves and restores them is harmless.
+
 The tracker keeps named RNG states (Megatron's "model-parallel-rng": a different dropout stream
 per tensor-parallel rank) and swaps one in for a block with ``fork()``. It tracks the CUDA
 generator with a GPU and the CPU generator without one, so the same script runs on both.
@@ -13,10 +19,13 @@ generator with a GPU and the CPU generator without one, so the same script runs 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import sys
+import types
+from typing import Any, Iterator
 
 import torch
 
+from zerotune.config import NotSupportedYetError
 from zerotune.distributed.mesh import latest_mesh
 from zerotune.parallel.activation_checkpointing import (
     CheckpointPolicy,
@@ -110,3 +119,67 @@ def model_parallel_cuda_manual_seed(seed: int) -> None:
     if torch.cuda.is_available():
         torch.cuda.manual_seed(seed)
     _TRACKER.add(_MODEL_PARALLEL_RNG, seed + 2718 + tp_rank)
+
+
+# DeepSpeed's global -> (the policy's field, configure()'s keyword)
+_POLICY_GLOBALS = {
+    "PARTITION_ACTIVATIONS": ("partition_activations", "partition_activations"),
+    "CONTIGUOUS_CHECKPOINTING": ("contiguous_memory_optimization", "contiguous_checkpointing"),
+    "num_layers": ("number_checkpoints", "num_checkpoints"),
+    "CPU_CHECKPOINT": ("cpu_checkpointing", "checkpoint_in_cpu"),
+    "SYNCHRONIZE": ("synchronize_checkpoint_boundary", "synchronize"),
+    "PROFILE_TIME": ("profile", "profile"),
+}
+
+
+def _policy_global(name: str) -> property:
+    field, _ = _POLICY_GLOBALS[name]
+
+    def read(module: types.ModuleType) -> Any:
+        return getattr(configured_policy(), field)
+
+    def write(module: types.ModuleType, value: Any) -> None:
+        if value == read(module):
+            return
+        policy = configured_policy()
+        keywords = {keyword: getattr(policy, f) for f, keyword in _POLICY_GLOBALS.values()}
+        keywords[_POLICY_GLOBALS[name][1]] = value
+        configure(None, **keywords)
+
+    return property(read, write, doc=f"DeepSpeed's {name}: the policy in force's {field}")
+
+
+def _read_mpu(module: types.ModuleType) -> None:
+    return None  # configure() refuses an mpu
+
+
+def _write_mpu(module: types.ModuleType, value: Any) -> None:
+    if value is not None:
+        raise NotSupportedYetError("mpu", "a Megatron mpu is not supported yet (tensor parallelism lands in a later "
+                                          "release); leave deepspeed.checkpointing.mpu as None")
+
+
+def _read_enabled(module: types.ModuleType) -> bool:
+    return is_configured()
+
+
+def _write_enabled(module: types.ModuleType, value: Any) -> None:
+    if bool(value) != is_configured():
+        raise AttributeError("deepspeed.checkpointing.deepspeed_checkpointing_enabled follows configure() and the "
+                             "engine's activation_checkpointing section; call configure(None, ...) instead")
+
+
+class _CheckpointingModule(types.ModuleType):
+    """This module, with DeepSpeed's globals as views of the policy (see the module docstring)."""
+
+    PARTITION_ACTIVATIONS = _policy_global("PARTITION_ACTIVATIONS")
+    CONTIGUOUS_CHECKPOINTING = _policy_global("CONTIGUOUS_CHECKPOINTING")
+    num_layers = _policy_global("num_layers")
+    CPU_CHECKPOINT = _policy_global("CPU_CHECKPOINT")
+    SYNCHRONIZE = _policy_global("SYNCHRONIZE")
+    PROFILE_TIME = _policy_global("PROFILE_TIME")
+    mpu = property(_read_mpu, _write_mpu, doc="DeepSpeed's mpu global: always None here")
+    deepspeed_checkpointing_enabled = property(_read_enabled, _write_enabled, doc="DeepSpeed's: is_configured()")
+
+
+sys.modules[__name__].__class__ = _CheckpointingModule

@@ -59,6 +59,11 @@ from zerotune.monitor.logging import log_rank0
 SECTION = "activation_checkpointing"
 
 
+class ContiguousCheckpointingError(ConfigError, AssertionError):
+    """contiguous_memory_optimization without what it needs. Also an ``AssertionError``: DeepSpeed's
+    ``configure()`` asserts both needs, so code written against DeepSpeed catches that."""
+
+
 @dataclass(frozen=True)
 class CheckpointPolicy:
     """How checkpointed regions store and time their activations (the ``activation_checkpointing`` section)."""
@@ -79,14 +84,19 @@ class CheckpointPolicy:
                                       f"{value!r} is not a positive integer (or null for every block)")
             elif not isinstance(value, bool):
                 raise ConfigError(f"{SECTION}.{f.name}", f"{value!r} is not a boolean")
+        # DeepSpeed's order: what contiguous_memory_optimization needs, then whether partitioning is available
+        if self.contiguous_memory_optimization and not self.partition_activations:
+            raise ContiguousCheckpointingError(f"{SECTION}.contiguous_memory_optimization",
+                                               "true needs partition_activations: true (as in DeepSpeed), which is "
+                                               "not supported yet; set it to false")
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise ContiguousCheckpointingError(f"{SECTION}.contiguous_memory_optimization",
+                                               "true needs number_checkpoints: the number of layers checkpointed in "
+                                               "a forward, which sizes the contiguous buffer")
         if self.partition_activations:
             raise NotSupportedYetError(f"{SECTION}.partition_activations",
                                        "true needs tensor parallelism, which is not supported yet; set it to false "
                                        "(cpu_checkpointing moves checkpointed activations off the device without it)")
-        if self.contiguous_memory_optimization:
-            raise ConfigError(f"{SECTION}.contiguous_memory_optimization",
-                              "true needs partition_activations: true (as in DeepSpeed), which is not supported yet; "
-                              "set it to false")
 
 
 def policy_from_section(section: ActivationCheckpointingConfig) -> CheckpointPolicy:
@@ -175,7 +185,11 @@ def checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
     return run_checkpointed(function, args, kwargs, configured_policy(), _name_of(function))
 
 
-non_reentrant_checkpoint = checkpoint  # DeepSpeed's name for the non-reentrant variant, which this always is
+def non_reentrant_checkpoint(function: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``deepspeed.checkpointing.non_reentrant_checkpoint``: the same mechanism as ``checkpoint``, which is
+    non-reentrant too. A function of its own because DeepSpeed's pipeline tells the two apart by identity: with
+    ``checkpoint`` (DeepSpeed's reentrant one) the engine makes the first stage's inputs require grad."""
+    return run_checkpointed(function, args, kwargs, configured_policy(), _name_of(function))
 
 
 def run_checkpointed(function: Callable, args: tuple, kwargs: dict, policy: CheckpointPolicy, name: str) -> Any:
