@@ -153,7 +153,7 @@ class CompileConfig(Section):
 class PipelineConfig(Section):
     """``pipeline``: pipeline-parallel layout."""
 
-    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"use_reentrant", "pipe_partitioned", "grad_partitioned"})
+    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"pipe_partitioned", "grad_partitioned"})
     NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
         "seed_layers": "layers are seeded where they are built: PipelineModule(..., seed_layers=True, base_seed=...) "
                        "seeds layer i with base_seed + i before initialize reads the config, and a Hugging Face "
@@ -168,7 +168,12 @@ class PipelineConfig(Section):
     seed_layers: AutoBool = False
     """Give each layer its own random seed so stages initialise reproducibly."""
     activation_checkpoint_interval: AutoNonNegInt = 0
-    """Checkpoint activations every this many layers inside a stage; 0 disables it."""
+    """Checkpoint activations every this many layers inside a stage; 0 disables it. A positive value overrides
+    the ``PipelineModule``'s own ``activation_checkpoint_interval``, as in DeepSpeed."""
+    use_reentrant: AutoBool = True
+    """false: the stage checkpoints with ``deepspeed.checkpointing.non_reentrant_checkpoint`` instead of the
+    module's ``activation_checkpoint_func``, as in DeepSpeed. zerotune's ``checkpoint`` is non-reentrant under
+    either name; a script's own reentrant function gets the first stage's inputs marked as requiring grad."""
     schedule: Literal["1f1b", "gpipe"] = "1f1b"
     """zerotune extension: micro-batch schedule, one-forward-one-backward or fill-drain (GPipe)."""
 

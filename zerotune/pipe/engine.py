@@ -38,6 +38,8 @@ from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.engine_batches import check_batch_not_empty, map_tensors
 from zerotune.engine_core import EngineCore
 from zerotune.engine_offload_states import FORWARD_NEEDS
+from zerotune.parallel.activation_checkpointing import checkpoint as activation_checkpoint
+from zerotune.parallel.activation_checkpointing import non_reentrant_checkpoint
 from zerotune.parallel.tensor.state_dict import iter_full_tensors
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.p2p import ACTIVATION_TAG, GRADIENT_TAG, as_tuple, recv_tensors, send_tensors
@@ -122,6 +124,20 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
 
     def set_batch_fn(self, fn: Callable) -> None:
         self.batch_fn = fn
+
+    def _reentrant_activation_checkpointing(self) -> bool:
+        """DeepSpeed's question: does the stage checkpoint with a function other than ``non_reentrant_checkpoint``
+        (DeepSpeed's reentrant ``checkpoint``, or a script's own)? Asked of the module, whose interval and function
+        forward reads, so ``set_checkpoint_interval`` after ``initialize`` is seen."""
+        return (self.pipe.activation_checkpoint_interval > 0
+                and self.pipe.activation_checkpoint_func is not non_reentrant_checkpoint)
+
+    def _first_inputs_need_grad(self) -> bool:
+        """A reentrant checkpoint cuts its first block off from autograd unless the block's inputs require grad.
+        zerotune's ``checkpoint`` is non-reentrant under DeepSpeed's reentrant name, so only a script's own
+        function needs them marked (marking for zerotune's would compute input gradients nobody reads)."""
+        return (self._reentrant_activation_checkpointing() and torch.is_grad_enabled()
+                and self.pipe.activation_checkpoint_func is not activation_checkpoint)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(_schedule_only("forward"))
@@ -241,6 +257,8 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         if self.is_first_stage():
             if self.policy.mixed:
                 inputs = map_tensors(inputs, lambda t: t.to(self.policy.param_dtype) if t.is_floating_point() else t)
+            if self._first_inputs_need_grad():  # (detached first: the script's own tensors stay as they are)
+                inputs = map_tensors(inputs, lambda t: t.detach().requires_grad_(t.is_floating_point()))
             return as_tuple(inputs), labels
         received = recv_tensors(self._neighbour("previous"), ACTIVATION_TAG, self.device)
         if not torch.is_grad_enabled():

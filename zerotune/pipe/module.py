@@ -106,6 +106,9 @@ class PipelineModule(nn.Module):
         self.activation_checkpoint_interval = int(activation_checkpoint_interval)
         self.activation_checkpoint_func = activation_checkpoint_func
         self.checkpointable_layers = checkpointable_layers
+        # per block of ``activation_checkpoint_interval`` layers, whether forward checkpoints it (DeepSpeed's names)
+        self.is_checkpointable_results: list[bool] = []
+        self.is_checkpointable_results_interval: int | None = None
         self.stage_id = _stage_of_rank(num_stages)
         self.export_names: dict[int, list[str]] | None = None  # set for split HF models: tensor id -> HF names
         self._check_tied_shapes()
@@ -224,6 +227,31 @@ class PipelineModule(nn.Module):
     def tie_stages(self, key: str) -> list[int]:
         return sorted({self.stage_of_layer(i) for i in self.ties[key].layers})
 
+    # ---- activation checkpointing ---------------------------------------------------------
+    def set_checkpoint_interval(self, interval: int) -> None:
+        """Checkpoint every ``interval`` layers from now on (0: none); DeepSpeed's setter."""
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise ValueError(f"set_checkpoint_interval needs an integer >= 0, got {interval!r}")
+        self.activation_checkpoint_interval = interval
+        self._precompute_checkpointable_values()
+
+    def _precompute_checkpointable_values(self) -> None:
+        """Which blocks of ``activation_checkpoint_interval`` layers forward checkpoints, computed once per interval
+        (the results belong to one interval: a new one recomputes them, never appends)."""
+        interval = self.activation_checkpoint_interval
+        if interval > 0 and self.is_checkpointable_results_interval != interval:
+            funcs = self.forward_funcs
+            self.is_checkpointable_results = [self._is_checkpointable(funcs[start:start + interval])
+                                              for start in range(0, len(funcs), interval)]
+            self.is_checkpointable_results_interval = interval
+
+    def _is_checkpointable(self, chunk: list[Callable]) -> bool:
+        """A block is worth checkpointing when it holds weights (a block of activations and reshapes recomputes
+        for nothing), or a layer named in ``checkpointable_layers``."""
+        if self.checkpointable_layers is None:
+            return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in chunk)
+        return any(type(f).__name__ in self.checkpointable_layers for f in chunk)
+
     # ---- running ------------------------------------------------------------------------
     def forward(self, inputs: Any) -> Any:
         funcs = self.forward_funcs
@@ -232,19 +260,15 @@ class PipelineModule(nn.Module):
             for func in funcs:
                 inputs = func(inputs)
             return inputs
-        for start in range(0, len(funcs), interval):
+        self._precompute_checkpointable_values()  # (the interval may have been assigned directly)
+        for start, checkpointed in zip(range(0, len(funcs), interval), self.is_checkpointable_results):
             chunk = funcs[start:start + interval]
-            if self._checkpointable(chunk):
+            if checkpointed:
                 inputs = self.activation_checkpoint_func(_run_chunk(chunk), *_as_args(inputs))
             else:
                 for func in chunk:
                     inputs = func(inputs)
         return inputs
-
-    def _checkpointable(self, chunk: list[Callable]) -> bool:
-        if self.checkpointable_layers is None:
-            return any(isinstance(f, nn.Module) and any(True for _ in f.parameters()) for f in chunk)
-        return any(type(f).__name__ in self.checkpointable_layers for f in chunk)
 
     def partitions(self) -> list[int]:
         return list(self.parts)

@@ -22,6 +22,7 @@ from zerotune.config import ConfigError
 from zerotune.distributed import comm
 from zerotune.distributed.mesh import ProcessMesh
 from zerotune.monitor.logging import log_rank0
+from zerotune.parallel.activation_checkpointing import non_reentrant_checkpoint
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.schedule import ScheduleError, build_schedule
 
@@ -92,11 +93,22 @@ def build_pipeline(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, split
         log_rank0("pipeline: the %s's weights of other stages are released on each rank (%.1f MiB on rank 0; they "
                   "are on the meta device now): save through the engine (save_checkpoint, save_16bit_model)",
                   type(model).__name__, released / 2**20, rank=dist.get_rank())
+    _apply_checkpointing_config(pipe, cfg.pipeline)
     groups = tie_groups(pipe, mesh)
     if isinstance(model, PipelineModule):
         _broadcast_tied(pipe, groups)
         split_tensor_parallel(pipe)
     return pipe, groups, batch_fn
+
+
+def _apply_checkpointing_config(pipe: PipelineModule, section: Any) -> None:
+    """The ``pipeline`` section's checkpointing, as DeepSpeed's engine applies it: ``use_reentrant: false`` swaps in
+    ``non_reentrant_checkpoint`` whatever the interval (``set_checkpoint_interval`` may turn checkpointing on
+    later), and a positive ``activation_checkpoint_interval`` overrides the module's."""
+    if section.use_reentrant is False:
+        pipe.activation_checkpoint_func = non_reentrant_checkpoint
+    if int(section.activation_checkpoint_interval) > 0:
+        pipe.set_checkpoint_interval(int(section.activation_checkpoint_interval))
 
 
 def norm_counted_here(pipe: PipelineModule, mesh: ProcessMesh) -> Callable[[torch.nn.Parameter], bool]:
