@@ -50,7 +50,9 @@ _PIPE = ("PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology", "Pip
 _ZERO = ("Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
          "ZeroParamStatus")
 _CHECKPOINTING = ("checkpoint", "configure", "is_configured", "reset", "non_reentrant_checkpoint",
-                  "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "CudaRNGStatesTracker")
+                  "get_cuda_rng_tracker", "model_parallel_cuda_manual_seed", "CudaRNGStatesTracker",
+                  "PARTITION_ACTIVATIONS", "CONTIGUOUS_CHECKPOINTING", "num_layers", "CPU_CHECKPOINT", "SYNCHRONIZE",
+                  "PROFILE_TIME", "mpu", "deepspeed_checkpointing_enabled")
 _LR_SCHEDULES = ("VALID_LR_SCHEDULES", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARMUP_DECAY_LR",
                  "WARMUP_COSINE_LR", "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
                  "add_tuning_arguments")
