@@ -96,10 +96,10 @@ def test_the_returned_optimizer_carries_the_engines_loss_scaler_as_deepspeeds() 
         "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 8, "loss_scale_window": 2}})
     assert optimizer.dynamic_loss_scale is True and optimizer.loss_scaler is engine.loss_scaler
     assert optimizer.loss_scaler.cur_scale == 2**8 and optimizer.loss_scaler.scale_window == 2
-    for _ in range(2):
+    for _ in range(3):
         engine.backward(engine(torch.ones(1, 4, dtype=torch.float16)).float().sum())
         engine.step()
-    assert optimizer.loss_scaler.cur_iter == 2 and optimizer.loss_scaler.cur_scale == 2**9  # the window doubled it
+    assert optimizer.loss_scaler.cur_iter == 3 and optimizer.loss_scaler.cur_scale == 2**9  # the window doubled it
     _, static, _, _ = zerotune.initialize(model=nn.Linear(4, 2), config={"train_batch_size": 1,
                                                                          "optimizer": {"type": "SGD"}})
     assert static.dynamic_loss_scale is False and static.loss_scaler.cur_scale == 1.0

@@ -98,7 +98,9 @@ def test_dynamic_scaler_follows_deepspeed_semantics() -> None:
     assert scaler.loss_scale == 8
     for _ in range(3):
         scaler.update_scale(False)
-    assert scaler.loss_scale == 16  # doubled after loss_scale_window clean steps
+    assert scaler.loss_scale == 8  # loss_scale_window clean steps since the overflow ...
+    scaler.update_scale(False)
+    assert scaler.loss_scale == 16  # ... and the next step doubles it (DeepSpeed 0.19's count)
     assert scaler.cur_hysteresis == 2  # restored on growth
     restored = DynamicLossScaler()
     restored.load_state_dict(scaler.state_dict())

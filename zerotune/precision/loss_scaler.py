@@ -3,8 +3,8 @@
 fp16 has 5 exponent bits, so small gradients underflow to zero. Multiplying the loss by a large
 scale before backward keeps them representable; the optimizer sees them divided back. A
 dynamic scaler halves the scale when a step overflows (and skips that step) and doubles it
-after ``loss_scale_window`` clean steps. ``hysteresis`` lets a few overflows pass before the
-first halving -- DeepSpeed's "delayed shift".
+at the step after ``loss_scale_window`` clean ones (DeepSpeed 0.19's count). ``hysteresis`` lets
+a few overflows pass before the first halving -- DeepSpeed's "delayed shift".
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ class DynamicLossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            clean_before = self.cur_iter - self.last_overflow_iter - 1  # clean steps since the last overflow
+            if clean_before > 0 and clean_before % self.scale_window == 0:  # (DeepSpeed >= 0.19's count)
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.scale_factor
