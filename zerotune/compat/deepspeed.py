@@ -14,6 +14,7 @@ from zerotune.inference import InferenceConfig as DeepSpeedInferenceConfig
 from zerotune.inference import InferenceEngine, init_inference
 from zerotune.initialize import initialize
 from zerotune.pipe.engine import PipelineEngine
+from zerotune.zero.on_device import OnDevice
 
 __version__ = DEEPSPEED_VERSION
 __version_major__, __version_minor__, __version_patch__ = (int(p) for p in DEEPSPEED_VERSION.split("+")[0].split("."))
@@ -28,5 +29,5 @@ __all__ = [
     "PipelineEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "zero", "comm", "checkpointing", "pipe", "ops",
     "accelerator", "utils",
     "runtime", "get_accelerator", "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig",
-    "InferenceEngine", "DeepSpeedInferenceConfig",
+    "InferenceEngine", "DeepSpeedInferenceConfig", "OnDevice",
 ]

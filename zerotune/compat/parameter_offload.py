@@ -23,10 +23,16 @@ from typing import Any, Iterator
 
 import torch
 
+from zerotune.compat.refusals import refused_class, refused_function
 from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.stage3.wrap import EXTERNAL_PARAMS
 
-__all__ = ["DeepSpeedZeRoOffload"]
+__all__ = ["DeepSpeedZeRoOffload", "ZeROOrderedDict", "ensure_zero_ordered_dict"]
+
+# DeepSpeed swaps each module's ``_parameters`` for a dict that gathers a partitioned parameter read during another
+# module's forward; zerotune leaves the containers alone (register_external_parameter declares such a use).
+ZeROOrderedDict = refused_class("deepspeed.runtime.zero.parameter_offload.ZeROOrderedDict")
+ensure_zero_ordered_dict = refused_function("deepspeed.runtime.zero.parameter_offload.ensure_zero_ordered_dict")
 
 
 class _ExternalParameters:

@@ -62,9 +62,15 @@ _TENSOR_FRAGMENT = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "saf
                     "safe_update_full_grad_vectorized", "safe_get_local_fp32_param", "safe_set_local_fp32_param",
                     "safe_get_local_optimizer_state", "safe_set_local_optimizer_state", "safe_get_local_grad",
                     "safe_set_local_grad")
+_Z3_LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "set_z3_leaf_modules_by_name",
+            "set_z3_leaf_modules_by_suffix", "get_z3_leaf_modules", "z3_leaf_module")
 _ELASTICITY = ("compute_elastic_config", "elasticity_enabled", "ensure_immutable_elastic_config")
 _COMPRESSION = "the compression library (deepspeed.compression)"
 _KERNEL_INJECTION = "inference kernel injection (init_inference splits with AutoTP and runs the model's own modules)"
+_CONSTRUCTOR_PATCHING = ("zero.Init's patching of module classes and torch.nn.functional.linear (zerotune's zero.Init "
+                         "uses torch's module-registration hooks and stage 3 runs torch's own linear)")
+_PARAMETER_DICT = ("ZeRO-3's replacement of each module's _parameters dict (zerotune leaves modules' containers as "
+                   "torch made them; a parameter used outside its module is declared with register_external_parameter)")
 _MODULE_INJECT_REFUSED = {
     "replace_transformer_layer": _KERNEL_INJECTION, "revert_transformer_layer": _KERNEL_INJECTION,
     "generic_injection": _KERNEL_INJECTION,
@@ -80,7 +86,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "initialize", "init_distributed", "add_config_arguments", "add_tuning_arguments", "DeepSpeedEngine",
         "PipelineEngine", "DeepSpeedConfig", "DeepSpeedConfigError", "zero", "comm", "checkpointing", "pipe", "ops",
         "accelerator", "utils", "runtime", "get_accelerator", "__version__", "__version_major__", "__version_minor__",
-        "__version_patch__",
+        "__version_patch__", "OnDevice",
         "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "InferenceEngine",
         "DeepSpeedInferenceConfig")),
     "deepspeed.comm": Mapped("zerotune.compat.comm", _COMM),
@@ -89,8 +95,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.accelerator.real_accelerator": Mapped("zerotune.compat.accelerator", _ACCELERATOR),
     "deepspeed.accelerator.abstract_accelerator": Mapped("zerotune.compat.accelerator", ("DeepSpeedAccelerator",)),
     "deepspeed.utils": Mapped("zerotune.compat.utils", (
-        "logger", "log_dist", "logging", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-        "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx", *_TENSOR_FRAGMENT)),
+        "logger", "log_dist", "logging", "RepeatingLoader", "groups", *_Z3_LEAF, "set_random_seed",
+        "instrument_w_nvtx", "OnDevice", *_TENSOR_FRAGMENT)),
+    "deepspeed.utils.z3_leaf_module": Mapped("zerotune.zero.stage3.leaves", _Z3_LEAF),
+    "deepspeed.utils.init_on_device": Mapped("zerotune.zero.on_device", ("OnDevice",)),
     "deepspeed.utils.tensor_fragment": Mapped("zerotune.compat.tensor_fragment", _TENSOR_FRAGMENT),
     "deepspeed.utils.torch": Mapped("zerotune.compat.torch_version", (
         "required_torch_version", "is_functorch_transforming", "register_grad_hook", "jit_script_compat")),
@@ -126,9 +134,15 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.zero": Mapped("zerotune.compat.zero", (*_ZERO, "DeepSpeedZeRoOffload",
                                                              "unwrap_model_for_generation")),
     "deepspeed.runtime.zero.partition_parameters": Mapped("zerotune.compat.zero", (
-        *_ZERO, "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator")),
-    "deepspeed.runtime.zero.parameter_offload": Mapped("zerotune.compat.parameter_offload", ("DeepSpeedZeRoOffload",)),
-    "deepspeed.zero": Mapped("zerotune.compat.zero", (*_ZERO, "DeepSpeedZeRoOffload")),
+        *_ZERO, "zero_wrapper_for_fp_tensor_constructor", "_orig_torch_arange", "get_accelerator",
+        "partitioned_param_data_shape", "MultipleAllGatherHandles", "_contradicting_single_rank_pg_error",
+        "MiCS_Init", "InsertPostInitMethodToModuleSubClasses", "zero3_linear_wrap")),
+    "deepspeed.runtime.zero.parameter_offload": Mapped("zerotune.compat.parameter_offload", (
+        "DeepSpeedZeRoOffload", "ZeROOrderedDict", "ensure_zero_ordered_dict")),
+    "deepspeed.runtime.zero.leaf_module_config": Mapped("zerotune.compat.zero_config", (
+        "DeepSpeedZeroLeafModuleConfig", "DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES",
+        "DEFAULT_LEAF_MODULE_NAME_SUFFIXES")),
+    "deepspeed.zero": Mapped("zerotune.compat.zero", (*_ZERO, "DeepSpeedZeRoOffload", "MiCS_Init")),
     "deepspeed.pipe": Mapped("zerotune.compat.pipe", _PIPE),
     "deepspeed.runtime.pipe": Mapped("zerotune.compat.pipe", _PIPE),
     "deepspeed.runtime.pipe.module": Mapped("zerotune.compat.pipe", ("PipelineModule", "LayerSpec", "TiedLayerSpec")),
@@ -240,6 +254,12 @@ REFUSED_NAMES: dict[str, str] = {
     **{f"deepspeed.module_inject.{name}": feature for name, feature in _MODULE_INJECT_REFUSED.items()},
     "deepspeed.elasticity.DSElasticAgent": "DeepSpeed's torch-elastic agent (its launcher's --enable_elastic_training; "
                                            "`zerotune run --max-restarts` restarts workers through torchrun's agent)",
+    "deepspeed.zero.MiCS_Init": "MiCS (ZeRO-3 sharding within sub-groups of ranks; zerotune shards over the whole "
+                                "data-parallel group)",
+    "deepspeed.runtime.zero.partition_parameters.InsertPostInitMethodToModuleSubClasses": _CONSTRUCTOR_PATCHING,
+    "deepspeed.runtime.zero.partition_parameters.zero3_linear_wrap": _CONSTRUCTOR_PATCHING,
+    "deepspeed.runtime.zero.parameter_offload.ZeROOrderedDict": _PARAMETER_DICT,
+    "deepspeed.runtime.zero.parameter_offload.ensure_zero_ordered_dict": _PARAMETER_DICT,
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",
 }

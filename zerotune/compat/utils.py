@@ -28,9 +28,19 @@ from zerotune.compat.tensor_fragment import (  # noqa: F401
     safe_set_local_optimizer_state,
     safe_update_full_grad_vectorized,
 )
+from zerotune.zero.on_device import OnDevice
+from zerotune.zero.stage3.leaves import (
+    get_z3_leaf_modules,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+)
 
 __all__ = ["logger", "log_dist", "logging", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
-           "get_z3_leaf_modules", "z3_leaf_module", "set_random_seed", "instrument_w_nvtx", *_FRAGMENT_NAMES]
+           "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "get_z3_leaf_modules", "z3_leaf_module",
+           "set_random_seed", "instrument_w_nvtx", "OnDevice", *_FRAGMENT_NAMES]
 
 
 class RepeatingLoader:
@@ -49,41 +59,6 @@ class RepeatingLoader:
         except StopIteration:
             self.data_iter = iter(self.loader)
             return next(self.data_iter)
-
-
-def _matches(module: torch.nn.Module, classes: Iterable[type | str]) -> bool:
-    return any(type(module).__name__ == c if isinstance(c, str) else isinstance(module, c) for c in classes)
-
-
-def set_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type | str],
-                        raise_if_not_found: bool = True) -> list[torch.nn.Module]:
-    """Mark every module of the given classes (or class names) as a ZeRO-3 leaf: stage 3 gathers it
-    whole as one unit (for blocks whose submodules run data-dependently, such as MoE experts)."""
-    leaves = [m for m in model.modules() if _matches(m, leaf_module_classes)]
-    if not leaves and raise_if_not_found:
-        names = [c if isinstance(c, str) else c.__name__ for c in leaf_module_classes]
-        raise ValueError(f"set_z3_leaf_modules: no module of class {', '.join(names)} in {type(model).__name__}")
-    for module in leaves:
-        module._z3_leaf = True  # type: ignore[assignment]  # DeepSpeed's flag: a plain bool on the module
-    return leaves
-
-
-def unset_z3_leaf_modules(model: torch.nn.Module, leaf_module_classes: list[type | str],
-                          raise_if_not_found: bool = True) -> list[torch.nn.Module]:
-    leaves = [m for m in model.modules() if _matches(m, leaf_module_classes)]
-    if not leaves and raise_if_not_found:
-        raise ValueError(f"unset_z3_leaf_modules: no module of the given classes in {type(model).__name__}")
-    for module in leaves:
-        module._z3_leaf = False  # type: ignore[assignment]  # (as in set_z3_leaf_modules)
-    return leaves
-
-
-def get_z3_leaf_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if z3_leaf_module(m)]
-
-
-def z3_leaf_module(model: torch.nn.Module) -> bool:
-    return bool(getattr(model, "_z3_leaf", False))
 
 
 def set_random_seed(seed: int) -> None:

@@ -11,8 +11,10 @@ import torch
 
 from zerotune.compat.accelerator import get_accelerator
 from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
+from zerotune.compat.refusals import refused_class, refused_function
 from zerotune.zero import GatheredParameters, Init, WeightLoadingError, load_partitioned_weights
 from zerotune.zero.stage3.ds_markers import ZeroParamStatus
+from zerotune.zero.stage3.init import contradicting_single_rank_group
 from zerotune.zero.stage3.wrap import EXTERNAL_PARAMS
 
 # transformers' ZeRO-3 loading swaps these two in and out around ``zero.Init`` (it patches DeepSpeed's
@@ -30,9 +32,41 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype):  #
 
     return wrapped
 
+# The shape a partitioned parameter shows outside a gather (DeepSpeed's module constant): zero elements.
+partitioned_param_data_shape = [0]
+
+# DeepSpeed's spelling of zerotune's check (stage3/init.py): zero.Init refuses a one-rank group under a
+# multi-rank launcher rather than silently building the whole model on every rank.
+_contradicting_single_rank_pg_error = contradicting_single_rank_group
+
+MiCS_Init = refused_class("deepspeed.zero.MiCS_Init")
+# DeepSpeed's Init base class (it patches every module class's __init__) and its F.linear replacement: zerotune's
+# Init hooks module registration instead and never swaps F.linear (memory_efficient_linear changes nothing).
+InsertPostInitMethodToModuleSubClasses = refused_class(
+    "deepspeed.runtime.zero.partition_parameters.InsertPostInitMethodToModuleSubClasses")
+zero3_linear_wrap = refused_function("deepspeed.runtime.zero.partition_parameters.zero3_linear_wrap")
+
+
+class MultipleAllGatherHandles:
+    """Several pending gathers waited on as one: ``wait(handle_dependency=...)`` waits on each in order.
+
+    DeepSpeed's combinator over its all-gather handles; the flag goes by keyword, so handles whose ``wait`` takes
+    it keyword-only or as ``**kwargs`` work too. zerotune's own gathers are waited through their unit
+    (stage3/unit.py) and never need it; it is here for code that combines handles it holds itself."""
+
+    def __init__(self, handles: list[Any]) -> None:
+        self.handles = handles
+
+    def wait(self, handle_dependency: bool = True) -> None:
+        for handle in self.handles:
+            handle.wait(handle_dependency=handle_dependency)
+
+
 __all__ = ["Init", "GatheredParameters", "register_external_parameter", "unregister_external_parameter",
            "ZeroParamStatus", "DeepSpeedZeRoOffload", "load_partitioned_weights", "WeightLoadingError",
-           "get_accelerator", "zero_wrapper_for_fp_tensor_constructor", "unwrap_model_for_generation"]
+           "get_accelerator", "zero_wrapper_for_fp_tensor_constructor", "unwrap_model_for_generation",
+           "partitioned_param_data_shape", "MultipleAllGatherHandles", "MiCS_Init",
+           "InsertPostInitMethodToModuleSubClasses", "zero3_linear_wrap"]
 
 
 @contextlib.contextmanager

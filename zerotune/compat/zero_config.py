@@ -12,14 +12,22 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any, Optional
 
+from zerotune.config.leaf_module_section import (
+    DEFAULT_LEAF_MODULE_CLASSES,
+    DEFAULT_LEAF_MODULE_NAME_SUFFIXES,
+    DEFAULT_LEAF_MODULE_NAMES,
+    LeafModuleConfig,
+)
 from zerotune.config.loading import load_config
 from zerotune.config.zero_section import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
-           "ZeroStageEnum"]
+           "ZeroStageEnum", "DeepSpeedZeroLeafModuleConfig", "DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES",
+           "DEFAULT_LEAF_MODULE_NAME_SUFFIXES"]
 
 DeepSpeedZeroOffloadParamConfig = OffloadParamConfig
 DeepSpeedZeroOffloadOptimizerConfig = OffloadOptimizerConfig
+DeepSpeedZeroLeafModuleConfig = LeafModuleConfig  # ``deepspeed.runtime.zero.leaf_module_config``
 
 # the keys (modern and legacy) that give each offload block
 _OFFLOAD_KEYS = {"offload_param": ("offload_param", "cpu_offload_param"),

@@ -12,6 +12,7 @@ from typing import Any, ClassVar, Optional
 from pydantic import Field, field_validator, model_validator
 
 from .errors import ConfigError
+from .leaf_module_section import LeafModuleConfig
 from .pydantic_errors import show_value
 from .section import NoEffect, Section
 from .types import (
@@ -99,7 +100,7 @@ class ZeroConfig(Section):
     }
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
         {
-            "zenflow", "leaf_module", "zeropp_loco_param", "legacy_stage1", "pipeline_loading_checkpoint",
+            "zenflow", "zeropp_loco_param", "legacy_stage1", "pipeline_loading_checkpoint",
             "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
             "save_muon_momentum_buffer_in_memory", "stage3_use_all_reduce_for_fetch_params",
             "stage3_allgather_sequential", "stage3_partition_stream_chunk_size",
@@ -207,6 +208,8 @@ class ZeroConfig(Section):
     """MiCS: gather parameters hierarchically (intra-node then inter-node)."""
     memory_efficient_linear: AutoBool = True
     """Use the memory-efficient linear autograd function in stage 3."""
+    leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
+    """ZeRO-3 leaves (gathered whole) by class, name or name suffix; defaults: the HF MoE blocks."""
 
     @model_validator(mode="after")
     def _dynamic_defaults(self) -> "ZeroConfig":

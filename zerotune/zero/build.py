@@ -31,6 +31,7 @@ from zerotune.zero.replicated_state import ReplicatedState
 from zerotune.zero.sharded_state import ShardedState
 from zerotune.zero.stage1_sync import ReduceAtBoundaryGradSync
 from zerotune.zero.stage2_sync import BucketedReduceGradSync
+from zerotune.zero.stage3.leaves import apply_leaf_config
 from zerotune.zero.stage3.schedule import UnitScheduler
 from zerotune.zero.stage3.state import Stage3State
 from zerotune.zero.stage3.unit import BufferPool
@@ -60,6 +61,7 @@ def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Para
     group = mesh.group("dp_sp")  # the ranks holding the same parameters: gradients are averaged, ZeRO shards over them
     predivide = float(mesh.size("dp_sp")) if cfg.prescale_gradients else float(cfg.gradient_predivide_factor)
     wire = communication_dtype(cfg, compressor)
+    apply_leaf_config(model, zero.leaf_module)  # marks only stage 3 reads; set at every stage, as DeepSpeed does
     if zero.stage == 0:
         return _build_stage0(zero, trainable, policy, group, model, predivide, compressor, norm, wire)
     chosen = {id(p) for p in trainable}

@@ -17,8 +17,9 @@ to rewrite weights that are no longer whole; the weights are each module's own i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,29 @@ def _default_group() -> dist.ProcessGroup | None:
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         return dist.group.WORLD
     return None
+
+
+def contradicting_single_rank_group(dp_world_size: int, explicit_process_group: Any,
+                                    env: Mapping[str, str | None] | None = None) -> str | None:
+    """Why partitioning over a one-rank group would be wrong here, or None when it is not.
+
+    A launcher that says ``WORLD_SIZE`` > 1 while the group resolved by default holds one rank (the process group
+    was not set up yet, or a one-rank one was, e.g. by ``from_pretrained`` before ``init_distributed``) means every
+    rank would build the whole model unpartitioned and run out of memory looking like a "model too big" failure.
+    An explicitly given group of one rank is intentional; a missing or malformed ``WORLD_SIZE`` says nothing.
+    """
+    if dp_world_size != 1 or explicit_process_group is not None:
+        return None
+    raw = (os.environ if env is None else env).get("WORLD_SIZE")
+    try:
+        launcher_world = int(raw or 0)
+    except (TypeError, ValueError):
+        return None
+    if launcher_world <= 1:
+        return None
+    return (f"zero.Init would partition over one rank, but the launcher set WORLD_SIZE={launcher_world}: call "
+            "init_distributed() (zerotune.init_distributed / deepspeed.init_distributed) before building the model "
+            "under zero.Init, or pass data_parallel_group explicitly if a one-rank group is intended")
 
 
 class Init:
@@ -65,6 +89,10 @@ class Init:
         self.enabled = enabled
         self.dtype = dtype
         self.group = data_parallel_group if data_parallel_group is not None else _default_group()
+        contradiction = contradicting_single_rank_group(1 if self.group is None else dist.get_world_size(self.group),
+                                                        data_parallel_group) if enabled else None
+        if contradiction is not None:
+            raise RuntimeError(contradiction)
         self._handles: list[Any] = []
         self._registered: dict[int, torch.nn.Module] = {}
         self._count = 0
