@@ -100,6 +100,8 @@ def test_the_returned_optimizer_carries_the_engines_loss_scaler_as_deepspeeds() 
         engine.backward(engine(torch.ones(1, 4, dtype=torch.float16)).float().sum())
         engine.step()
     assert optimizer.loss_scaler.cur_iter == 3 and optimizer.loss_scaler.cur_scale == 2**9  # the window doubled it
+    view = optimizer.loss_scale_config  # DeepSpeed 0.19's name for the same numbers
+    assert (view.dynamic_loss_scale, view.cur_scale, view.cur_iter, view.scale_window) == (True, 2**9, 3, 2)
     _, static, _, _ = zerotune.initialize(model=nn.Linear(4, 2), config={"train_batch_size": 1,
                                                                          "optimizer": {"type": "SGD"}})
     assert static.dynamic_loss_scale is False and static.loss_scaler.cur_scale == 1.0

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from zerotune.compat.fp16 import LossScaleConfig
 from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
 from zerotune.engine import Engine
 from zerotune.engine_core import EngineCore, register_engine_extension
@@ -39,11 +40,12 @@ def _attach_parameter_offload(engine: EngineCore) -> None:
 
 def _attach_loss_scaler(engine: EngineCore) -> None:
     """DeepSpeed's fp16 / ZeRO optimizers carry the loss scaler (``optimizer.loss_scaler.cur_scale``,
-    ``optimizer.dynamic_loss_scale``), which clients and DeepSpeed's tests read off what ``initialize`` returned:
-    the engine's own scaler object, so it follows every step."""
+    ``optimizer.dynamic_loss_scale``, 0.19's ``optimizer.loss_scale_config``), which clients and DeepSpeed's tests
+    read off what ``initialize`` returned: the engine's own scaler object, so it follows every step."""
     if engine.optimizer is not None:
         engine.optimizer.loss_scaler = engine.loss_scaler  # type: ignore[attr-defined]
         engine.optimizer.dynamic_loss_scale = isinstance(engine.loss_scaler, DynamicLossScaler)  # type: ignore[attr-defined]
+        engine.optimizer.loss_scale_config = LossScaleConfig(engine.loss_scaler)  # type: ignore[attr-defined]
 
 
 def install_spellings() -> None:
