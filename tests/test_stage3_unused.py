@@ -91,3 +91,77 @@ def test_zero3_with_parameters_unused_on_some_ranks_matches_single_process(world
     for prefetch in (0, 10**6):
         for trace in run_distributed(_zero3_run, world, rule, prefetch, timeout=60):
             assert_close_traces(trace, expected, rel=1e-5)
+
+
+class ReturnsItsBias(nn.Linear):
+    """Returns its own bias for the caller to use after this module's forward (DeepSpeed's "dangling" parameter)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return nn.functional.linear(x, self.weight), self.bias
+
+
+class Dangling(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, WIDTH)
+        self.dangler = ReturnsItsBias(WIDTH, WIDTH)
+        self.out = nn.Linear(WIDTH, 4)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, bias = self.dangler(torch.tanh(self.inp(x)))
+        h = torch.tanh(h * bias + bias)  # the value of bias is needed in backward too
+        return nn.functional.mse_loss(self.out(h), y)
+
+
+def _dangling_batch(step: int, rank: int, world: int) -> dict:
+    generator = torch.Generator().manual_seed(100 * step + rank)
+    return {"x": torch.randn(ROWS // world, 8, generator=generator),
+            "y": torch.randn(ROWS // world, 4, generator=generator)}
+
+
+def _dangling_reference(world: int) -> Trace:
+    model = Dangling()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    losses, norms = [], []
+    for step in range(STEPS):
+        total = 0.0
+        for rank in range(world):
+            loss = model(**_dangling_batch(step, rank, world))
+            (loss / world).backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total / world)
+    return Trace(losses, norms)
+
+
+def _dangling_zero3_run() -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    config = {"train_micro_batch_size_per_gpu": ROWS // world, "steps_per_print": 1000,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    engine, *_ = zerotune.initialize(model=Dangling(), config=config)
+    losses, norms = [], []
+    for step in range(STEPS):
+        loss = engine(**_dangling_batch(step, rank, world))
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        norms.append(engine.get_global_grad_norm())
+    with torch.no_grad():  # an evaluation forward: the held unit is released at its end
+        engine(**_dangling_batch(0, rank, world))
+    released = engine.module.dangler.bias.ds_status.name
+    engine.destroy()
+    return {"trace": Trace(losses, norms), "after_eval": released}
+
+
+def test_zero3_keeps_a_returned_parameter_gathered_for_its_caller() -> None:
+    # DanglingBias in DeepSpeed's test_zero_context_return: used after its module's forward, it must hold values
+    expected = _dangling_reference(2)
+    for result in run_distributed(_dangling_zero3_run, 2, timeout=60):
+        assert_close_traces(result["trace"], expected, rel=1e-5)
+        assert result["after_eval"] == "NOT_AVAILABLE"

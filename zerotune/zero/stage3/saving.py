@@ -13,8 +13,9 @@ from __future__ import annotations
 import json
 import os
 import struct
+import warnings
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -110,3 +111,31 @@ def save_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], path:
         if not streaming:
             torch.save(collected, temporary)
         os.replace(temporary, path)
+
+
+class EmptyPartitionedEntries:
+    """A ``state_dict`` post-hook for a partitioned model: each partitioned entry becomes an empty tensor, as
+    DeepSpeed's does (its partitioned ``param.data`` is ``torch.empty(0)``), instead of the stride-0 placeholder
+    that would save as plausible-looking weights. Scripts written for DeepSpeed call ``state_dict()`` on one rank
+    and then overwrite the file with gathered weights (DeepSpeed-Chat's ``save_hf_format`` +
+    ``save_zero_three_model``), so refusing would stop them; an empty entry cannot be mistaken for a weight:
+    loading it anywhere fails on its shape. The (one) warning says how to get the values."""
+
+    def __init__(self, units: Sequence[ParamUnit]) -> None:
+        self.units = units
+        self.warned = False
+
+    def __call__(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
+        placeholders = {sp.placeholder_ptr for u in self.units for s in u.segments for sp in s.sharded}
+        emptied = [key for key, value in state_dict.items()
+                   if not isinstance(value, torch.nn.Parameter) and value.data_ptr() in placeholders]
+        for key in emptied:
+            state_dict[key] = torch.empty(0, dtype=state_dict[key].dtype, device=state_dict[key].device)
+        if emptied and not self.warned:
+            self.warned = True
+            warnings.warn(
+                f"state_dict(): {len(emptied)} entries (first '{emptied[0]}') are partitioned by ZeRO stage 3 "
+                "and hold no values on this rank, so they are returned empty, as DeepSpeed returns them; for the "
+                "weights use engine.save_16bit_model(...) / engine._zero3_consolidated_16bit_state_dict(), or "
+                "read them inside zerotune.zero.GatheredParameters(...)", stacklevel=3)
+

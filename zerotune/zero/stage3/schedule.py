@@ -22,7 +22,6 @@ are needed until then); releasing issues no collective, so its timing may differ
 
 from __future__ import annotations
 
-import warnings
 from collections import deque
 from typing import Any, Callable, Sequence
 
@@ -34,6 +33,7 @@ from zerotune.distributed import comm
 from zerotune.distributed.streams import streams_for
 from zerotune.zero.contracts import TiedWeight
 from zerotune.zero.grad_hooks import register_grad_ready_hooks
+from zerotune.zero.stage3.saving import EmptyPartitionedEntries
 from zerotune.zero.stage3.unit import ParamUnit
 
 
@@ -102,9 +102,10 @@ class UnitScheduler:
         self._late: set[int] = set()     # passed units that got a gradient afterwards
         self._reduced_again: set[int] = set()  # late units whose first reduce is not their final gradient
         self._unit_of = {id(p): u for u in self.units if u.trainable for p in u.trainable.params}
-        self._warned_empty_state_dict = False
+        self._owner = {id(p): u for u in self.units for p in u.params}  # every partitioned parameter's unit
+        self._held: set[int] = set()  # units whose parameters a forward returned: gathered until backward ends
         self._hooks = [self.units[0].module.register_state_dict_post_hook(
-            lambda *hook_args: self._empty_placeholders(*hook_args))] if self.units else []
+            EmptyPartitionedEntries(self.units))] if self.units else []
         for unit in self.units:
             if unit.trainable:
                 self._hooks += register_grad_ready_hooks(unit.trainable.params, self._on_grad)
@@ -152,26 +153,6 @@ class UnitScheduler:
             handle.remove()
         self.forward_hooks = []
 
-    def _empty_placeholders(self, module: torch.nn.Module, state_dict: dict, prefix: str, metadata: Any) -> None:
-        """``state_dict()`` of a partitioned model: each partitioned entry becomes an empty tensor, as DeepSpeed's
-        does (its partitioned ``param.data`` is ``torch.empty(0)``), instead of the stride-0 placeholder that
-        would save as plausible-looking weights. Scripts written for DeepSpeed call it on one rank and then
-        overwrite the file with gathered weights (DeepSpeed-Chat's ``save_hf_format`` + ``save_zero_three_model``),
-        so refusing would stop them; an empty entry cannot be mistaken for a weight: loading it anywhere fails
-        on its shape. The warning says how to get the values."""
-        placeholders = {sp.placeholder_ptr for u in self.units for s in u.segments for sp in s.sharded}
-        emptied = [key for key, value in state_dict.items()
-                   if not isinstance(value, torch.nn.Parameter) and value.data_ptr() in placeholders]
-        for key in emptied:
-            state_dict[key] = torch.empty(0, dtype=state_dict[key].dtype, device=state_dict[key].device)
-        if emptied and not self._warned_empty_state_dict:
-            self._warned_empty_state_dict = True
-            warnings.warn(
-                f"state_dict(): {len(emptied)} entries (first '{emptied[0]}') are partitioned by ZeRO stage 3 "
-                "and hold no values on this rank, so they are returned empty, as DeepSpeed returns them; for the "
-                "weights use engine.save_16bit_model(...) / engine._zero3_consolidated_16bit_state_dict(), or "
-                "read them inside zerotune.zero.GatheredParameters(...)", stacklevel=2)
-
     # ---- forward -------------------------------------------------------------------------
     def _pre_forward(self, unit: ParamUnit, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         if _in_backward():  # activation-checkpoint recomputation: the unit's backward begins
@@ -213,16 +194,37 @@ class UnitScheduler:
 
     def _post_forward(self, unit: ParamUnit, output: Any) -> None:
         unit.mark_in_use(False)
-        outputs = [t for t in _tensors_in(output) if t.requires_grad]
+        tensors = _tensors_in(output)
+        self._hold_returned_parameters(tensors)
+        outputs = [t for t in tensors if t.requires_grad]
         if outputs and torch.is_grad_enabled():
             register_multi_grad_hook(outputs, lambda grad, u=unit: self._pre_backward(u), mode="any")
         if unit.is_root and not _in_backward():  # the end of forward: the cursor passes what nobody ran here
             for skipped in self.units[self._forward_cursor:]:
                 self._pass_forward(skipped)
             self._forward_cursor = len(self.units)
+            if not torch.is_grad_enabled():  # no backward follows: returned parameters are used by now
+                self._release_held()
         container = id(unit) in self._containers and torch.is_grad_enabled() and not _in_backward()
-        if not (unit.persistent or _in_backward() or container):
+        held = id(unit) in self._held and not _in_backward()
+        if not (unit.persistent or _in_backward() or container or held):
             unit.release()
+
+    def _hold_returned_parameters(self, tensors: list[torch.Tensor]) -> None:
+        """A module returned a parameter of its own (a "dangling" bias its caller adds later): the caller computes
+        with it after this unit's forward, so its unit stays gathered until backward ends -- DeepSpeed registers
+        such a parameter as external to the caller for the same reason. Every rank runs the same code, so every
+        rank holds the same units."""
+        for tensor in tensors:
+            owner = self._owner.get(id(tensor)) if isinstance(tensor, torch.nn.Parameter) else None
+            if owner is not None and not owner.persistent and not _in_backward():
+                self._held.add(id(owner))
+
+    def _release_held(self) -> None:
+        for unit in self.units:
+            if id(unit) in self._held and not unit.persistent:
+                unit.release()
+        self._held.clear()
 
     def _prefetch(self, order: list[ParamUnit], start: int, live: int) -> None:
         """Start gathering the units from ``order[start]`` on, within the prefetch and live budgets; ``order`` and
@@ -283,7 +285,8 @@ class UnitScheduler:
         self._maybe_release(unit)
 
     def _maybe_release(self, unit: ParamUnit) -> None:
-        if id(unit) in self._passed and self._pending_inputs.get(id(unit), 0) == 0 and not unit.persistent:
+        if (id(unit) in self._passed and self._pending_inputs.get(id(unit), 0) == 0 and not unit.persistent
+                and id(unit) not in self._held):
             unit.release()
 
     def _on_grad(self, param: torch.nn.Parameter) -> None:
@@ -332,6 +335,7 @@ class UnitScheduler:
             if not unit.persistent:
                 unit.release()
         self._pending_inputs.clear()
+        self._held.clear()
         self._entered.clear()
         self._passed.clear()
         self._late.clear()
