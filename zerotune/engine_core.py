@@ -36,6 +36,7 @@ from zerotune.engine_data import EngineDataLoader
 from zerotune.engine_offload_states import FORWARD_NEEDS, StateOffloading
 from zerotune.engine_queries import EngineQueries
 from zerotune.monitor.logging import log_rank0
+from zerotune.monitor.logging import set_level as set_log_level
 from zerotune.monitor.step_report import StepReporter
 from zerotune.monitor.throughput import ThroughputTimer
 from zerotune.monitor.timers import WallClockTimers
@@ -73,6 +74,8 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         run inside them (``EngineGuards.method``), ``destroy()`` closes them."""
         self.module = module
         self._config = config
+        if config.log_level is not None:  # DeepSpeed's key: the logger's level from initialize on
+            set_log_level(config.log_level)
         self.env = env
         self.mesh = mesh
         self.policy = policy

@@ -116,6 +116,10 @@ class EngineQueries(torch.nn.Module):
     def gradient_clipping(self) -> float:
         return self._config.gradient_clipping
 
+    def log_level(self) -> str | None:
+        """The config's ``log_level`` as given (None: initialize left the logger's level alone)."""
+        return self._config.log_level
+
     def steps_per_print(self) -> int:
         return self._config.steps_per_print
 

@@ -96,7 +96,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.accelerator.abstract_accelerator": Mapped("zerotune.compat.accelerator", ("DeepSpeedAccelerator",)),
     "deepspeed.utils": Mapped("zerotune.compat.utils", (
         "logger", "log_dist", "logging", "RepeatingLoader", "groups", *_Z3_LEAF, "set_random_seed",
-        "instrument_w_nvtx", "OnDevice", *_TENSOR_FRAGMENT)),
+        "instrument_w_nvtx", "OnDevice", "set_log_level_from_string", *_TENSOR_FRAGMENT)),
     "deepspeed.utils.z3_leaf_module": Mapped("zerotune.zero.stage3.leaves", _Z3_LEAF),
     "deepspeed.utils.init_on_device": Mapped("zerotune.zero.on_device", ("OnDevice",)),
     "deepspeed.utils.tensor_fragment": Mapped("zerotune.compat.tensor_fragment", _TENSOR_FRAGMENT),
@@ -119,7 +119,17 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.engine": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine",)),
     "deepspeed.runtime.config": Mapped("zerotune.compat.runtime", (
         "DeepSpeedConfig", "DeepSpeedConfigError", "ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER",
-        "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "DEEPSPEED_OPTIMIZERS")),
+        "LAMB_OPTIMIZER", "ONEBIT_ADAM_OPTIMIZER", "DEEPSPEED_OPTIMIZERS", "get_gradient_clipping", "get_log_level")),
+    "deepspeed.runtime.config_utils": Mapped("zerotune.compat.config_utils", (
+        "DeepSpeedConfigModel", "get_config_default", "pp_int", "ScientificNotationEncoder", "DeepSpeedConfigObject",
+        "get_scalar_param", "get_list_param", "get_dict_param", "dict_raise_error_on_duplicate_keys")),
+    "deepspeed.runtime.precision_config": Mapped("zerotune.compat.precision_config", (
+        "DeepSpeedFP16Config", "DeepSpeedBF16Config", "get_float16_config", "get_bfloat16_config", "FP16",
+        "BFLOAT16", "BFLOAT16_OLD")),
+    "deepspeed.runtime.constants": Mapped("zerotune.compat.runtime_constants", (
+        "ROUTE_TRAIN", "ROUTE_EVAL", "ROUTE_PREDICT", "ROUTE_ENCODE", "TRAIN_BATCH_SIZE", "GRADIENT_CLIPPING",
+        "GRADIENT_CLIPPING_DEFAULT", "LOG_LEVEL", "LOG_LEVEL_DEFAULT", "STEPS_PER_PRINT", "STEPS_PER_PRINT_DEFAULT",
+        "FP16", "BFLOAT16", "OPTIMIZER", "SCHEDULER")),
     "deepspeed.runtime.utils": Mapped("zerotune.compat.runtime_utils", (
         "set_random_seed", "see_memory_usage", "call_to_str", "prefix_sum_inc", "partition_uniform",
         "partition_balanced", "is_model_parallel_parameter", "clip_grad_norm_", "get_weight_norm", "CheckOverflow",

@@ -9,6 +9,14 @@ from typing import Any
 import torch.distributed as dist
 
 from zerotune.compat import lr_schedules, pipe, runtime_utils, zero
+from zerotune.compat.config_utils import get_scalar_param
+from zerotune.compat.precision_config import get_bfloat16_config, get_float16_config
+from zerotune.compat.runtime_constants import (
+    GRADIENT_CLIPPING,
+    GRADIENT_CLIPPING_DEFAULT,
+    LOG_LEVEL,
+    LOG_LEVEL_DEFAULT,
+)
 from zerotune.compat.runtime_utils import see_memory_usage
 from zerotune.compat.utils import RepeatingLoader, set_random_seed
 from zerotune.config import ConfigError as DeepSpeedConfigError
@@ -29,11 +37,22 @@ DEEPSPEED_OPTIMIZERS = [ADAGRAD_OPTIMIZER, ADAM_OPTIMIZER, ADAMW_OPTIMIZER, LAMB
 __all__ = ["ADAGRAD_OPTIMIZER", "ADAM_OPTIMIZER", "ADAMW_OPTIMIZER", "LAMB_OPTIMIZER",
            "ONEBIT_ADAM_OPTIMIZER", "DEEPSPEED_OPTIMIZERS", "DeepSpeedEngine", "DeepSpeedConfig",
            "DeepSpeedConfigError", "RepeatingLoader", "set_random_seed", "see_memory_usage", "zero", "pipe",
-           "lr_schedules", "utils"]
+           "lr_schedules", "utils", "get_gradient_clipping", "get_log_level"]
 
 # deepspeed.runtime.{engine, config, dataloader} are this module under the alias; runtime.utils has its own.
 engine = config = dataloader = sys.modules[__name__]
 utils = runtime_utils
+
+
+def get_gradient_clipping(param_dict: dict[str, Any]) -> float:
+    """The config dict's ``gradient_clipping``, else zerotune's default (0.0: DeepSpeed 0.18's; runtime_constants.py
+    says why not 0.19's 1.0)."""
+    return get_scalar_param(param_dict, GRADIENT_CLIPPING, GRADIENT_CLIPPING_DEFAULT)
+
+
+def get_log_level(param_dict: dict[str, Any]) -> str | None:
+    """The config dict's ``log_level`` (None when absent: initialize leaves the logger's level alone)."""
+    return get_scalar_param(param_dict, LOG_LEVEL, LOG_LEVEL_DEFAULT)
 
 
 class DeepSpeedConfig:
@@ -58,6 +77,9 @@ class DeepSpeedConfig:
         self.steps_per_print = resolved.steps_per_print
         self.wall_clock_breakdown = resolved.wall_clock_breakdown
         self.gradient_clipping = resolved.gradient_clipping
+        self.log_level = resolved.log_level
+        self.float16_config = get_float16_config(self._param_dict)  # DeepSpeed's models of the two blocks
+        self.bfloat16_config = get_bfloat16_config(self._param_dict)
         self.zero_config = resolved.zero_optimization
         self.zero_optimization_stage = resolved.zero_optimization.stage
         self.zero_enabled = self.zero_optimization_stage > 0 if isinstance(self.zero_optimization_stage, int) else True

@@ -1,5 +1,5 @@
-"""``deepspeed.utils``: the logger, ``log_dist``, ``RepeatingLoader``, the ZeRO-3 leaf-module marks and the
-tensor-fragment API (``safe_get_full_grad`` & co., ``tensor_fragment.py``)."""
+"""``deepspeed.utils``: the logger, ``log_dist``, ``set_log_level_from_string``, ``RepeatingLoader``, the ZeRO-3
+leaf-module marks and the tensor-fragment API (``safe_get_full_grad`` & co., ``tensor_fragment.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from zerotune.compat import ds_logging as logging  # ``deepspeed.utils.logging`` is DeepSpeed's module, not the stdlib's
 from zerotune.compat import groups
-from zerotune.compat.ds_logging import log_dist, logger
+from zerotune.compat.ds_logging import log_dist, logger, set_log_level_from_string
 from zerotune.compat.tensor_fragment import __all__ as _FRAGMENT_NAMES
 from zerotune.compat.tensor_fragment import (  # noqa: F401
     safe_get_full_fp32_param,
@@ -40,7 +40,7 @@ from zerotune.zero.stage3.leaves import (
 
 __all__ = ["logger", "log_dist", "logging", "RepeatingLoader", "groups", "set_z3_leaf_modules", "unset_z3_leaf_modules",
            "set_z3_leaf_modules_by_name", "set_z3_leaf_modules_by_suffix", "get_z3_leaf_modules", "z3_leaf_module",
-           "set_random_seed", "instrument_w_nvtx", "OnDevice", *_FRAGMENT_NAMES]
+           "set_random_seed", "instrument_w_nvtx", "OnDevice", "set_log_level_from_string", *_FRAGMENT_NAMES]
 
 
 class RepeatingLoader:

@@ -47,6 +47,10 @@ UNSUPPORTED_BLOCKS = frozenset(
 )
 
 
+# The level names ``log_level`` accepts, in any case (monitor/logging.set_level applies one).
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
 def _disabled(block: Any) -> bool:
     """A DeepSpeed feature block switched off (``{"enabled": false}``), which asks for nothing."""
     return isinstance(block, dict) and not block.get("enabled", False)
@@ -159,6 +163,9 @@ class ZeroTuneConfig(Section):
     max_consecutive_skipped_steps: AutoPosInt = 20
     """zerotune: stop with an error after this many optimizer steps in a row were skipped for a non-finite
     gradient norm (fp16 overflows included: a dynamic loss scale recovers in far fewer), in every precision."""
+    log_level: Optional[str] = None
+    """The "zerotune" logger's level from ``initialize`` on (DeepSpeed's logger under the alias): debug, info,
+    warning, error or critical, in any case; None leaves the level as it is."""
     wall_clock_breakdown: AutoBool = False
     """Time forward, backward and step separately and log the breakdown."""
     memory_breakdown: AutoBool = False
@@ -195,6 +202,13 @@ class ZeroTuneConfig(Section):
         # accelerate writes float("inf") (JSON Infinity): never print, as DeepSpeed reads it.
         if isinstance(value, float) and math.isinf(value) and value > 0:
             return sys.maxsize
+        return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _a_level_name(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and value.lower() not in LOG_LEVELS:
+            raise ValueError(f"{value!r} is not a level name; valid: {', '.join(LOG_LEVELS)} (any case)")
         return value
 
     _provenance: dict[str, str] = PrivateAttr(default_factory=dict)

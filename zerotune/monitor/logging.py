@@ -41,3 +41,17 @@ def log_rank0(msg: str, *args: object, rank: int, level: int = logging.INFO) -> 
     """Log ``msg % args`` (INFO by default), but only on rank 0 (formatting is skipped elsewhere)."""
     if rank == 0:
         get_logger().log(level, msg, *args, stacklevel=2)
+
+
+def set_level(name: str) -> None:
+    """Set the "zerotune" logger and its handlers to the level ``name`` ("error", "INFO", ...): what a config's
+    ``log_level`` asks ``initialize`` for (DeepSpeed's logger is this one under the alias)."""
+    levels = {"debug": logging.DEBUG, "info": logging.INFO, "warning": logging.WARNING, "error": logging.ERROR,
+              "critical": logging.CRITICAL}
+    level = levels.get(name.lower())
+    if level is None:
+        raise ValueError(f"log_level: {name!r} is not a level name; valid: {', '.join(levels)} (any case)")
+    logger = get_logger()
+    logger.setLevel(level)
+    for handler in logger.handlers:
+        handler.setLevel(level)
