@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import sys
+from pathlib import Path
 from typing import List, Optional
 
 import pytest
@@ -123,3 +125,51 @@ def test_log_level_key_is_checked_and_applied_by_initialize() -> None:
         logger.setLevel(saved[0])
         for handler, level in zip(logger.handlers, saved[1]):
             handler.setLevel(level)
+
+
+@pytest.mark.parametrize("given, expected", [
+    ((32, 16, None), (32, 16, 1)), ((32, None, 2), (32, 8, 2)), ((None, 8, 2), (32, 8, 2)), ((32, None, None),
+                                                                                             (32, 16, 1))])
+def test_deepspeed_config_resolves_the_batch_triple_again(given: tuple, expected: tuple) -> None:
+    config = runtime.DeepSpeedConfig({"train_batch_size": 2})
+    config.world_size = 2
+    config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = given
+    config._configure_train_batch_size()
+    assert (config.train_batch_size, config.train_micro_batch_size_per_gpu,
+            config.gradient_accumulation_steps) == expected
+
+
+@pytest.mark.parametrize("given", [(33, 17, 2), (32, 18, 1), (None, None, 2)])
+def test_deepspeed_config_batch_assertion(given: tuple) -> None:
+    config = runtime.DeepSpeedConfig({"train_batch_size": 2})
+    config.world_size = 2
+    config.train_batch_size, config.train_micro_batch_size_per_gpu, config.gradient_accumulation_steps = given
+    with pytest.raises(AssertionError, match="train_batch_size"):
+        config._configure_train_batch_size()
+
+
+def test_initialize_without_a_model_is_an_assertion_too() -> None:
+    with pytest.raises(AssertionError, match="needs model="):
+        zerotune.initialize(model=None, config={"train_batch_size": 1})
+    with pytest.raises(ValueError, match="first argument, args="):
+        zerotune.initialize(nn.Linear(2, 2), config={"train_batch_size": 1})
+
+
+def test_config_file_in_hjson_is_read_when_hjson_is_installed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "ds.json"
+    path.write_text("{\n  train_batch_size: 4\n  # a comment\n}\n")
+    try:
+        import hjson  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="not valid JSON.*hjson package"):
+            load_config(str(path))
+    else:
+        assert load_config(str(path)).train_batch_size == 4
+        path.write_text('{"train_batch_size": 4, "train_batch_size": 4,}')
+        with pytest.raises(ConfigError, match="twice"):
+            load_config(str(path))
+
+    monkeypatch.setitem(sys.modules, "hjson", None)  # absent: plain JSON only, and the error says why
+    path.write_text("{\n  train_batch_size: 4\n}\n")
+    with pytest.raises(ConfigError, match="not valid JSON.*hjson package"):
+        load_config(str(path))

@@ -47,6 +47,11 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
     return source
 
 
+class MissingModelError(ValueError, AssertionError):
+    """``initialize`` without a model. Also an ``AssertionError``: DeepSpeed's check is an assert, so code written
+    against DeepSpeed catches that."""
+
+
 def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer: Any = None,
                model_parameters: Iterable | None = None, training_data: Any = None, lr_scheduler: Any = None,
                distributed_port: int = DEFAULT_PORT, mpu: Any = None, dist_init_required: bool | None = None,
@@ -55,7 +60,8 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``. The phases
     are in ``initialize_phases.py``; each returns one typed piece of the assembly."""
     if model is None:
-        raise ValueError("initialize() needs model=")
+        hint = " (a module was passed as the first argument, args=)" if isinstance(args, torch.nn.Module) else ""
+        raise MissingModelError(f"initialize() needs model=, a torch.nn.Module; got None{hint}")
     if mpu is not None:
         raise ConfigError("mpu", "a Megatron mpu object is not supported: zerotune builds its own mesh from "
                                  "tensor_parallel.autotp_size and sequence_parallel_size")

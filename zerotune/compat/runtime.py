@@ -21,6 +21,8 @@ from zerotune.compat.runtime_utils import see_memory_usage
 from zerotune.compat.utils import RepeatingLoader, set_random_seed
 from zerotune.config import ConfigError as DeepSpeedConfigError
 from zerotune.config import load_config, resolve_config
+from zerotune.config.batch import solve_batch
+from zerotune.config.errors import BatchSizeError
 from zerotune.engine import Engine as DeepSpeedEngine
 from zerotune.monitor.logging import get_logger
 
@@ -92,6 +94,20 @@ class DeepSpeedConfig:
         self.activation_checkpointing_config = resolved.activation_checkpointing
         self.checkpoint_tag_validation_enabled = resolved.checkpoint.tag_validation != "Ignore"
         self.checkpoint_tag_validation_fail = resolved.checkpoint.tag_validation == "Fail"
+
+    def _configure_train_batch_size(self) -> None:
+        """DeepSpeed's re-solve of the batch triple after a script assigned its attributes (None = not given): the
+        missing members are filled for ``world_size``; a triple that does not fit, or one with neither
+        ``train_batch_size`` nor the micro batch, is a BatchSizeError (an AssertionError, as DeepSpeed's asserts)."""
+        try:
+            tbs, micro, gas = (value if isinstance(value, int) else None for value in (  # "auto": not given
+                self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps))
+            sizes = solve_batch(tbs, micro, gas, self.world_size)
+        except BatchSizeError:
+            raise
+        except DeepSpeedConfigError as exc:
+            raise BatchSizeError(exc.path, exc.message) from None
+        self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps = sizes
 
     def print(self, name: str) -> None:
         get_logger().info("%s: %s", name, self._param_dict)

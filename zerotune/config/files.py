@@ -57,6 +57,20 @@ def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
+def _parse_hjson(text: str) -> tuple[Any, bool]:
+    """(the data, True) when ``text`` is Hjson -- JSON's human superset (unquoted keys, comments, trailing commas),
+    which DeepSpeed reads its config files as -- else (None, whether the optional hjson package is there).
+    zerotune does not depend on hjson: without it a config file must be JSON or YAML."""
+    try:
+        import hjson  # optional
+    except ImportError:
+        return None, False
+    try:
+        return hjson.loads(text, object_pairs_hook=_reject_duplicate_keys), True
+    except ValueError:  # hjson's decode error; the JSON error is the one reported
+        return None, True
+
+
 class _DuplicateKey(Exception):
     def __init__(self, key: str) -> None:
         super().__init__(key)
@@ -65,10 +79,15 @@ class _DuplicateKey(Exception):
 
 def _parse_json(text: str, path: Path) -> Any:
     try:
-        return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-    except json.JSONDecodeError as exc:
-        raise ConfigError("", f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} "
-                              f"column {exc.colno}") from None
+        try:
+            return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+        except json.JSONDecodeError as exc:
+            relaxed, hjson_found = _parse_hjson(text)
+            if relaxed is not None:
+                return relaxed
+            hint = "" if hjson_found else " (DeepSpeed also reads Hjson, with the hjson package, not installed here)"
+            raise ConfigError("", f"config file '{path}' is not valid JSON: {exc.msg} at line {exc.lineno} "
+                                  f"column {exc.colno}{hint}") from None
     except _DuplicateKey as exc:
         raise ConfigError("", f"config file '{path}' gives the key '{exc.key}' twice") from None
     except RecursionError:
