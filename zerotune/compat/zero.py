@@ -11,6 +11,7 @@ import torch
 
 from zerotune.compat.accelerator import get_accelerator
 from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
+from zerotune.compat.paths import DeepSpeedFeatureNotSupported
 from zerotune.compat.refusals import refused_class, refused_function
 from zerotune.zero import GatheredParameters, Init, WeightLoadingError, load_partitioned_weights
 from zerotune.zero.stage3.ds_markers import ZeroParamStatus
@@ -32,8 +33,26 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype: torch.dtype):  #
 
     return wrapped
 
-# The shape a partitioned parameter shows outside a gather (DeepSpeed's module constant): zero elements.
-partitioned_param_data_shape = [0]
+class _NoPartitionedShape:
+    """DeepSpeed's ``partitioned_param_data_shape`` (``[0]``: its partitioned parameters hold an empty ``.data``).
+    zerotune's keep their full shape over one element of storage (``stage3/sharded_param.py``: code reading a
+    sharded weight's shape keeps working), so no constant is true here; any use of the value refuses in one line."""
+
+    _FEATURE = ("a fixed .data shape for partitioned parameters (zerotune's show their full shape over one element "
+                "of storage; ds_status says whether they are gathered, ds_tensor holds this rank's piece)")
+
+    def _refuse(self, *args: Any) -> Any:
+        raise DeepSpeedFeatureNotSupported("deepspeed.runtime.zero.partition_parameters.partitioned_param_data_shape",
+                                           self._FEATURE)
+
+    __iter__ = __len__ = __getitem__ = __eq__ = __index__ = _refuse
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return "<partitioned_param_data_shape: refused in zerotune>"
+
+
+partitioned_param_data_shape = _NoPartitionedShape()
 
 # DeepSpeed's spelling of zerotune's check (stage3/init.py): zero.Init refuses a one-rank group under a
 # multi-rank launcher rather than silently building the whole model on every rank.
