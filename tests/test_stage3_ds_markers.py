@@ -408,3 +408,43 @@ def test_deepspeed_unwrap_model_for_generation_matches_single_process_and_traini
         hooks, unhooked, rehooked = result["hooks"]
         assert hooks > 0 and unhooked == 0 and rehooked == hooks
         assert_close_traces(Trace(result["got"], [0.0] * STEPS), Trace(result["want"], [0.0] * STEPS), rel=1e-5)
+
+
+def _zero_optimizer_members(stage: int) -> dict:
+    from zerotune.compat.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from zerotune.compat.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from zerotune.compat.utils import safe_get_local_grad, safe_set_local_grad
+
+    rank = dist.get_rank()
+    model = make_mlp()
+    config = {**_config(), "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}
+    engine, optimizer, _, _ = zerotune.initialize(model=model, model_parameters=model.parameters(), config=config)
+    out = {"is_stage3": isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3),
+           "is_stage12": isinstance(optimizer, DeepSpeedZeroOptimizer)}
+    engine.backward(loss_of(engine, rank_slice(mlp_batch(0, 0, 4), rank, 2)))
+    if stage == 3:
+        out["norm"] = torch.linalg.vector_norm(torch.stack(optimizer._get_norm_groups())).item()
+        for param in engine.module.parameters():  # DeepSpeed's test_zero_grad_clip: custom clipping of the pieces
+            piece = safe_get_local_grad(param)
+            if piece is not None:
+                safe_set_local_grad(param, torch.clamp(piece, -0.01, 0.01))
+        out["clipped"] = torch.linalg.vector_norm(torch.stack(optimizer._get_norm_groups())).item()
+    engine.step()
+    out["global_grad_norm"] = (optimizer._global_grad_norm, engine.get_global_grad_norm())
+    engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_returned_optimizer_answers_as_deepspeeds_zero_optimizer(stage: int) -> None:
+    model = make_mlp()
+    loss_of(model, mlp_batch(0, 0, 4)).backward()  # the 2-rank mean of the two halves: the whole batch's mean
+    expected = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()
+                                                     if p.grad is not None])).item()
+    for out in run_distributed(_zero_optimizer_members, 2, stage):
+        assert (out["is_stage3"], out["is_stage12"]) == (stage == 3, stage != 3)
+        saved, engine_norm = out["global_grad_norm"]
+        assert saved == engine_norm
+        if stage == 3:
+            assert out["norm"] == pytest.approx(expected, rel=1e-5)
+            assert out["clipped"] < out["norm"] and saved == pytest.approx(out["clipped"], rel=1e-5)

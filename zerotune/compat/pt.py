@@ -43,7 +43,18 @@ def _config_of(zero_config: Any) -> dict:
     return config
 
 
-class DeepSpeedZeROOptimizer:
+class _ZeroOptimizerClass(type):
+    """``isinstance(optimizer, DeepSpeedZeroOptimizer_Stage3)`` (or ``DeepSpeedZeroOptimizer`` for stages 1-2) also
+    holds for the optimizer ``initialize`` returned from an engine of that ZeRO stage: DeepSpeed returns its ZeRO
+    optimizer there, zerotune the torch optimizer with DeepSpeed's attributes on it (``compat/spellings.py``
+    marks it). A virtual subclass, as ``abc``'s ``register`` makes one."""
+
+    def __instancecheck__(cls, instance: Any) -> bool:
+        stages: tuple[int, ...] = getattr(cls, "ZERO_STAGES", ())
+        return super().__instancecheck__(instance) or getattr(instance, "_zerotune_zero_stage", None) in stages
+
+
+class DeepSpeedZeROOptimizer(metaclass=_ZeroOptimizerClass):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, zero_config: Any,
                  **initialize_kwargs: Any) -> None:
         from zerotune.initialize import initialize
@@ -91,5 +102,13 @@ class DeepSpeedZeROOptimizer:
         self.optimizer.load_state_dict(state)
 
 
-# DeepSpeed's class names for the stage-specific optimizers: here the same driver for every stage.
-DeepSpeedZeroOptimizer = DeepSpeedZeroOptimizer_Stage3 = DeepSpeedZeROOptimizer
+class DeepSpeedZeroOptimizer(DeepSpeedZeROOptimizer):
+    """DeepSpeed's ZeRO 1/2 optimizer class name: the same driver (any stage the config asks for)."""
+
+    ZERO_STAGES = (1, 2)
+
+
+class DeepSpeedZeroOptimizer_Stage3(DeepSpeedZeROOptimizer):  # noqa: N801 - DeepSpeed's class name
+    """DeepSpeed's ZeRO-3 optimizer class name: the same driver (any stage the config asks for)."""
+
+    ZERO_STAGES = (3,)

@@ -48,12 +48,34 @@ def _attach_loss_scaler(engine: EngineCore) -> None:
         engine.optimizer.loss_scale_config = LossScaleConfig(engine.loss_scaler)  # type: ignore[attr-defined]
 
 
+def _attach_zero_optimizer_members(engine: EngineCore) -> None:
+    """What DeepSpeed's ZeRO optimizers answer, on the optimizer a ZeRO engine returned: the stage mark behind
+    ``isinstance(optimizer, DeepSpeedZeroOptimizer[_Stage3])`` (``pt.py``), ``_global_grad_norm`` (the last
+    step's gradient norm) and, at stage 3, ``_get_norm_groups()`` (each param group's gradient norm, read
+    between backward and step -- custom clipping through ``safe_set_local_grad`` shows in it)."""
+    optimizer: Any = engine.optimizer  # (DeepSpeed's members are added to the torch optimizer)
+    stage = engine.zero_optimization_stage()
+    if optimizer is None or stage == 0:
+        return
+    optimizer._zerotune_zero_stage = stage
+    optimizer._global_grad_norm = None
+
+    def record_norm(stepped: EngineCore) -> None:
+        optimizer._global_grad_norm = stepped.get_global_grad_norm()
+
+    engine.register_post_step_hook(record_norm)
+    state = engine.state
+    if stage == 3 and hasattr(state, "group_grad_norms"):
+        optimizer._get_norm_groups = lambda: [torch.tensor(norm) for norm in state.group_grad_norms()]
+
+
 def install_spellings() -> None:
     """Idempotent."""
     Engine.initialize = staticmethod(_initialize)  # type: ignore[attr-defined]
     set_model_builder(_engine_from_model)
     register_engine_extension(_attach_parameter_offload)
     register_engine_extension(_attach_loss_scaler)
+    register_engine_extension(_attach_zero_optimizer_members)
 
 
 __all__ = ["install_spellings"]

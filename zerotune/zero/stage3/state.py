@@ -198,6 +198,13 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
         return global_grad_norm(grads, shard_group=self.group)
 
+    def group_grad_norms(self) -> list[float]:
+        """The L2 norm of each optimizer param group's current gradient (a collective per group): what
+        DeepSpeed's ``_get_norm_groups()`` reports, read between backward and step."""
+        grads = self.master_grads()
+        return [global_grad_norm([grad for (g, *_), grad in zip(self._slots, grads) if g == group],
+                                 shard_group=self.group) for group in range(len(self._groups))]
+
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self._placement.attach(self.masters, grads, coefficient)
 
