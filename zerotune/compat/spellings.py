@@ -9,7 +9,8 @@ drops and re-adds the module hooks around generation, and every engine's optimiz
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, overload
 
 import torch
 
@@ -52,7 +53,8 @@ def _attach_zero_optimizer_members(engine: EngineCore) -> None:
     """What DeepSpeed's ZeRO optimizers answer, on the optimizer a ZeRO engine returned: the stage mark behind
     ``isinstance(optimizer, DeepSpeedZeroOptimizer[_Stage3])`` (``pt.py``), ``_global_grad_norm`` (the last
     step's gradient norm) and, at stage 3, ``_get_norm_groups()`` (each param group's gradient norm, read
-    between backward and step -- custom clipping through ``safe_set_local_grad`` shows in it)."""
+    between backward and step -- custom clipping through ``safe_set_local_grad`` shows in it); at stages 1 and 2,
+    ``bit16_groups_flat`` (_FlatBuffers)."""
     optimizer: Any = engine.optimizer  # (DeepSpeed's members are added to the torch optimizer)
     stage = engine.zero_optimization_stage()
     if optimizer is None or stage == 0:
@@ -67,6 +69,31 @@ def _attach_zero_optimizer_members(engine: EngineCore) -> None:
     state = engine.state
     if stage == 3 and hasattr(state, "group_grad_norms"):
         optimizer._get_norm_groups = lambda: [torch.tensor(norm) for norm in state.group_grad_norms()]
+    if stage in (1, 2) and hasattr(state, "flat_groups"):
+        optimizer.bit16_groups_flat = _FlatBuffers(state)
+
+
+class _FlatBuffers(Sequence[torch.Tensor]):
+    """DeepSpeed's ``bit16_groups_flat`` at stages 1 and 2: each param group's parameters as one flat buffer, which
+    the parameters are views of -- zerotune's ``FlatParamGroup.buffer``, in the training dtype, built where the
+    parameters are and outside autograd. Read live, so a buffer moved by ``offload_states`` is the one seen."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def __len__(self) -> int:
+        return len(self._state.flat_groups)
+
+    @overload
+    def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[torch.Tensor]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.Tensor | Sequence[torch.Tensor]:
+        if isinstance(index, slice):
+            return [group.buffer for group in self._state.flat_groups[index]]
+        return self._state.flat_groups[index].buffer
 
 
 def install_spellings() -> None:
