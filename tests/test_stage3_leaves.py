@@ -110,3 +110,44 @@ def test_initialize_marks_the_configured_leaves() -> None:
                                              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
                                              "zero_optimization": {"stage": 3, "leaf_module": {"names": "1"}}})
     assert z3_leaf_module(model[1]) and not z3_leaf_module(model[0])
+
+
+class _ByRank(nn.Module):
+    """Each rank runs a different layer (DeepSpeed's ChooseModuleByRankModel): only a whole-model leaf keeps the ranks'
+    gathers the same."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linears = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.linears[torch.distributed.get_rank() % 2](x), y[:, :1].expand(-1, 4))
+
+
+def test_a_leaf_root_is_one_unit() -> None:
+    model = _ByRank()
+    assert unit_module_names(model) == ["linears.0", "linears.1"]
+    set_z3_leaf_modules(model, [_ByRank])
+    assert unit_module_names(model) == []
+
+
+def _leaf_root_steps() -> list[float]:
+    torch.manual_seed(0)
+    model = _ByRank()
+    set_z3_leaf_modules(model, [_ByRank])
+    engine, *_ = zerotune.initialize(model=model, config={
+        "train_micro_batch_size_per_gpu": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    losses = []
+    for step in range(2):
+        loss = loss_of(engine, _moe_batch(step, torch.distributed.get_rank(), 1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    engine.destroy()
+    return losses
+
+
+def test_ranks_running_different_layers_of_a_leaf_root_do_not_hang() -> None:
+    first, second = run_distributed(_leaf_root_steps, 2, timeout=120)
+    assert len(first) == len(second) == 2

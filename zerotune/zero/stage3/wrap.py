@@ -28,8 +28,10 @@ def unit_module_names(model: torch.nn.Module) -> list[str]:
 
     A module marked as a ZeRO-3 leaf (``set_z3_leaf_modules``, DeepSpeed's API: an MoE block
     whose experts run data-dependently, say) is gathered whole as one unit: its descendants
-    are never units of their own.
+    are never units of their own. A leaf root (the whole model marked) leaves no unit but the root.
     """
+    if getattr(model, "_z3_leaf", False):
+        return []
     block_classes = {name for m in model.modules() for name in (getattr(m, "_no_split_modules", None) or [])}
 
     def is_unit(module: torch.nn.Module) -> bool:
