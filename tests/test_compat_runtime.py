@@ -120,6 +120,24 @@ def test_deepspeed_zero_config_answers_deepspeeds_attribute_names() -> None:
     assert DeepSpeedZeroConfig(offload_param={}).offload_param.device == "none"
 
 
+def test_cpu_adagrad_is_torch_adagrad_on_the_host() -> None:
+    trace = _two_step_trace(lambda p: ops.DeepSpeedCPUAdagrad(p, lr=0.1, weight_decay=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(trace, _two_step_trace(
+        lambda p: torch.optim.Adagrad(p, lr=0.1, eps=1e-10, weight_decay=0.1))))
+    embedding = nn.Embedding(8, 2, sparse=True)  # sparse gradients, as torch's Adagrad takes them
+    optimizer = ops.DeepSpeedCPUAdagrad(embedding.parameters())
+    embedding(torch.tensor([1, 3])).sum().backward()
+    before = embedding.weight.detach().clone()
+    optimizer.step()
+    assert not torch.equal(before[[1, 3]], embedding.weight[[1, 3]]) and torch.equal(before[0], embedding.weight[0])
+    with pytest.raises(ValueError, match="amsgrad"):
+        ops.DeepSpeedCPUAdagrad(embedding.parameters(), amsgrad=True)
+    meta = nn.Parameter(torch.ones(2, device="meta"))
+    meta.grad = torch.ones(2, device="meta")
+    with pytest.raises(AssertionError, match="steps host parameters; one is on meta"):
+        ops.DeepSpeedCPUAdagrad([meta]).step()
+
+
 def test_fused_lamb_is_zerotunes_lamb() -> None:
     trace = _two_step_trace(lambda p: ops.FusedLamb(p, lr=0.01))
     from zerotune.optim import Lamb

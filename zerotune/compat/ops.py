@@ -10,11 +10,13 @@ from __future__ import annotations
 import sys
 from typing import Any, Iterable
 
+import torch
+
 from zerotune.compat.op_capabilities import compatible_ops, installed_ops
 from zerotune.optim.deepspeed_adam import DeepSpeedCPUAdam, FusedAdam, beta_pair
 from zerotune.optim.lamb import Lamb
 
-__all__ = ["FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "adam", "lamb"]
+__all__ = ["FusedAdam", "DeepSpeedCPUAdam", "FusedLamb", "DeepSpeedCPUAdagrad", "adam", "lamb", "adagrad"]
 
 
 class FusedLamb(Lamb):
@@ -32,8 +34,30 @@ class FusedLamb(Lamb):
                          min_coeff=min_coeff)
 
 
-# ``deepspeed.ops.adam`` and ``deepspeed.ops.lamb`` are this module too.
-adam = lamb = sys.modules[__name__]
+class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
+    """DeepSpeed's CPU Adagrad signature over ``torch.optim.Adagrad`` (torch's host kernels, sparse gradients
+    included). Like DeepSpeed's, it steps host parameters only: ZeRO-Offload puts the masters there."""
+
+    def __init__(self, model_params: Iterable[Any], lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0,
+                 amsgrad: bool = False, fp32_optimizer_states: bool = True) -> None:
+        if amsgrad:
+            raise ValueError("DeepSpeedCPUAdagrad(amsgrad=True) is not supported (nor by DeepSpeed's kernel)")
+        del fp32_optimizer_states  # the state takes the parameters' dtype, fp32 for ZeRO-Offload's masters
+        super().__init__(model_params, lr=lr, eps=eps, weight_decay=weight_decay)
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.device.type != "cpu":
+                    raise AssertionError(f"DeepSpeedCPUAdagrad steps host parameters; one is on {param.device} "
+                                         "(enable zero_optimization.offload_optimizer.device 'cpu', or use "
+                                         "torch.optim.Adagrad)")
+        return super().step(closure)
+
+
+# ``deepspeed.ops.adam``, ``deepspeed.ops.lamb`` and ``deepspeed.ops.adagrad`` are this module too.
+adam = lamb = adagrad = sys.modules[__name__]
 
 # what DeepSpeed code reads before using an op (op_capabilities.py says what "compatible" means here)
 __compatible_ops__ = compatible_ops

@@ -171,7 +171,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
                                                                         _CHECKPOINTING),
     "deepspeed.checkpoint": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",)),
     "deepspeed.checkpoint.utils": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",)),
-    "deepspeed.ops": Mapped("zerotune.compat.ops", ("adam", "lamb", "op_builder", "__compatible_ops__",
+    "deepspeed.ops": Mapped("zerotune.compat.ops", ("adam", "lamb", "adagrad", "op_builder", "__compatible_ops__",
                                                     "__installed_ops__")),
     "deepspeed.ops.op_builder": Mapped("zerotune.compat.op_builder", (
         "OpBuilder", "ALL_OPS", "CPUAdamBuilder", "FusedAdamBuilder", "FusedLambBuilder", "AsyncIOBuilder",
@@ -184,6 +184,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "version", "git_hash", "git_branch", "installed_ops", "compatible_ops", "torch_info")),
     "deepspeed.ops.adam": Mapped("zerotune.compat.ops", _OPS_ADAM),
     "deepspeed.ops.lamb": Mapped("zerotune.compat.ops", ("FusedLamb",)),
+    "deepspeed.ops.adagrad": Mapped("zerotune.compat.ops", ("DeepSpeedCPUAdagrad",)),
     # zerotune's short path for the ZeRO optimizer wrapper driven without the engine (compat/pt.py); DeepSpeed's
     # own classes live in runtime.zero
     "deepspeed.pt": Mapped("zerotune.compat.pt", ("DeepSpeedZeROOptimizer",)),
