@@ -145,6 +145,40 @@ def test_fused_lamb_is_zerotunes_lamb() -> None:
     assert all(torch.equal(a, b) for a, b in zip(trace, _two_step_trace(lambda p: Lamb(p, lr=0.01))))
 
 
+def _grid_answers() -> dict:
+    import torch.distributed as dist
+
+    from zerotune.compat.pipe_topology import PipelineParallelGrid
+
+    grid = PipelineParallelGrid(topology=pipe.PipeModelDataParallelTopology(num_pp=2, num_mp=1, num_dp=2))
+    rank = torch.tensor([dist.get_rank()])
+    sums = {}
+    for name, group in (("pipe", grid.get_pipe_parallel_group()), ("data", grid.get_data_parallel_group()),
+                        ("model", grid.get_model_parallel_group())):
+        total = rank.clone()
+        dist.all_reduce(total, group=group)
+        sums[name] = total.item()
+    default = PipelineParallelGrid()  # 4 = 2 x 2: pipe takes the first prime, data the second
+    return {"stage": grid.get_stage_id(), "data": grid.get_data_parallel_rank(), "pp": grid.pp_group,
+            "dp": grid.dp_group, "sums": sums, "first": grid.is_first_stage, "last": grid.is_last_stage,
+            "to_global": [grid.stage_to_global(stage_id=s) for s in (0, 1)],
+            "default": (default.get_pipe_parallel_world_size(), default.get_data_parallel_world_size()),
+            "p2p": grid.p2p_groups}
+
+
+def test_pipeline_parallel_grid_builds_deepspeeds_groups() -> None:
+    from zerotune.compat.pipe_topology import _prime_factors
+
+    assert _prime_factors(12) == [2, 2, 3] and _prime_factors(7) == [7] and _prime_factors(1) == []
+    for rank, out in enumerate(run_distributed(_grid_answers, 4)):
+        stage, data = divmod(rank, 2)  # axes pipe, data, model: pipe outermost
+        assert (out["stage"], out["data"], out["first"], out["last"]) == (stage, data, stage == 0, stage == 1)
+        assert out["pp"] == [data, 2 + data] and out["dp"] == [2 * stage, 2 * stage + 1]
+        assert out["sums"] == {"pipe": 2 * data + 2, "data": 4 * stage + 1, "model": 2 * data + 2}
+        assert out["to_global"] == [data, 2 + data] and out["default"] == (2, 2)
+        assert out["p2p"] == [[0, 2], [1, 3], [2, 0], [3, 1]]
+
+
 def test_process_topology_matches_deepspeeds_layout() -> None:
     topology = pipe.PipeModelDataParallelTopology(num_pp=2, num_mp=2, num_dp=2)
     assert topology.world_size() == 8 and topology.get_axis_names() == ["pipe", "data", "model"]

@@ -156,8 +156,8 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.pipe": Mapped("zerotune.compat.pipe", _PIPE),
     "deepspeed.runtime.pipe": Mapped("zerotune.compat.pipe", _PIPE),
     "deepspeed.runtime.pipe.module": Mapped("zerotune.compat.pipe", ("PipelineModule", "LayerSpec", "TiedLayerSpec")),
-    "deepspeed.runtime.pipe.topology": Mapped("zerotune.compat.pipe", (
-        "ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology")),
+    "deepspeed.runtime.pipe.topology": Mapped("zerotune.compat.pipe_topology", (
+        "ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid")),
     "deepspeed.runtime.pipe.engine": Mapped("zerotune.compat.pipe", ("PipelineEngine",)),
     # MoE is importable (DeepSpeed code imports it at module level) and refused when built: refusals.py
     "deepspeed.moe": Mapped("zerotune.compat.moe", ()),
