@@ -146,6 +146,16 @@ def test_count_used_parameters_counts_what_this_backward_reaches() -> None:
         ds_utils.count_used_parameters_in_backward([used])
 
 
+def test_expert_rank_lists_with_tensor_parallelism_follow_deepspeeds_layout() -> None:
+    # DeepSpeed's docstring example: 16 ranks, tensor parallel 2, 4 experts per group
+    experts, data = groups._get_expert_parallel_ranks(world_size=16, tensor_parallel_size_=2, expert_parallel_size_=4)
+    assert experts == [[0, 2, 4, 6], [8, 10, 12, 14], [1, 3, 5, 7], [9, 11, 13, 15]]
+    assert data == [[0, 8], [2, 10], [4, 12], [6, 14], [1, 9], [3, 11], [5, 13], [7, 15]]
+    assert groups._get_expert_parallel_ranks(8, 1, 2, 2, True) == groups.expert_rank_lists(8, 2, 2, True)
+    with pytest.raises(ValueError, match="does not divide"):
+        groups._get_expert_parallel_ranks(16, 2, 3)
+
+
 def test_expert_rank_lists_follow_deepspeeds_layout() -> None:
     assert groups.expert_rank_lists(8, 2) == ([[0, 1], [2, 3], [4, 5], [6, 7]], [[0, 2, 4, 6], [1, 3, 5, 7]])
     assert groups.expert_rank_lists(8, 2, data_before_expert=True) == ([[0, 4], [1, 5], [2, 6], [3, 7]],

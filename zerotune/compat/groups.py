@@ -129,14 +129,44 @@ def expert_rank_lists(world: int, expert_size: int, pipe_size: int = 1, data_bef
                          "a pipeline stage")
     experts, data = [], []
     for start in range(0, world, stage):
-        ranks = list(range(start, start + stage))
-        if data_before_expert:
-            stride = stage // expert_size
-            experts += [ranks[i::stride] for i in range(stride)]
-            data += [ranks[i:i + stride] for i in range(0, stage, stride)]
-        else:
-            experts += [ranks[i:i + expert_size] for i in range(0, stage, expert_size)]
-            data += [ranks[i::expert_size] for i in range(expert_size)]
+        stage_experts, stage_data = _split_experts(list(range(start, start + stage)), expert_size, data_before_expert)
+        experts += stage_experts
+        data += stage_data
+    return experts, data
+
+
+def _split_experts(ranks: list[int], expert_size: int, data_before_expert: bool
+                   ) -> tuple[list[list[int]], list[list[int]]]:
+    """One data-parallel group's ranks cut into expert-parallel groups and their expert-data-parallel groups."""
+    if data_before_expert:
+        stride = len(ranks) // expert_size
+        return [ranks[i::stride] for i in range(stride)], [ranks[i:i + stride] for i in range(0, len(ranks), stride)]
+    return ([ranks[i:i + expert_size] for i in range(0, len(ranks), expert_size)],
+            [ranks[i::expert_size] for i in range(expert_size)])
+
+
+def _get_expert_parallel_ranks(world_size: int, tensor_parallel_size_: int, expert_parallel_size_: int,
+                               pipeline_parallel_size_: int = 1, use_data_before_expert_parallel_: bool = False
+                               ) -> tuple[list[list[int]], list[list[int]]]:
+    """DeepSpeed's rank lists of the expert-parallel and expert-data-parallel groups with tensor parallelism:
+    each pipeline stage's data-parallel groups (ranks strided by the tensor-parallel size, one per tensor-parallel
+    rank) cut into experts as ``expert_rank_lists`` cuts a stage. A pure function: no group is created."""
+    sizes = (tensor_parallel_size_, expert_parallel_size_, pipeline_parallel_size_)
+    if any(size < 1 for size in sizes) or world_size % (tensor_parallel_size_ * pipeline_parallel_size_):
+        raise ValueError(f"expert groups: tensor x pipeline parallel sizes {sizes[0]} x {sizes[2]} do not divide the "
+                         f"world size {world_size}")
+    stage = world_size // pipeline_parallel_size_
+    if (stage // tensor_parallel_size_) % expert_parallel_size_:
+        raise ValueError(f"expert groups: expert parallel size {expert_parallel_size_} does not divide the "
+                         f"{stage // tensor_parallel_size_} data-parallel ranks of a stage")
+    experts, data = [], []
+    for start in range(0, world_size, stage):
+        for tp_rank in range(tensor_parallel_size_):
+            dp_ranks = list(range(start + tp_rank, start + stage, tensor_parallel_size_))
+            group_experts, group_data = _split_experts(dp_ranks, expert_parallel_size_,
+                                                       use_data_before_expert_parallel_)
+            experts += group_experts
+            data += group_data
     return experts, data
 
 
