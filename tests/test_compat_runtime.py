@@ -80,6 +80,10 @@ def test_deepspeed_adams_are_torch_adam_with_deepspeeds_defaults(cls) -> None:
 
 def test_config_adam_builds_deepspeeds_fused_adam_class() -> None:
     # DeepSpeed builds its FusedAdam for "Adam" / "AdamW" (its own test_ds_initialize checks the class)
+    run_distributed(_fused_adam_built, 1)  # (initialize makes a process group: never in the pytest process)
+
+
+def _fused_adam_built() -> None:
     model = nn.Linear(4, 2)
     _, optimizer, _, _ = zerotune.initialize(model=model, model_parameters=list(model.parameters()),
                                              config={"train_batch_size": 1, "optimizer": {"type": "Adam"}})
@@ -90,6 +94,10 @@ def test_config_adam_builds_deepspeeds_fused_adam_class() -> None:
 
 
 def test_the_returned_optimizer_carries_the_engines_loss_scaler_as_deepspeeds() -> None:
+    run_distributed(_loss_scaler_on_the_optimizer, 1)
+
+
+def _loss_scaler_on_the_optimizer() -> None:
     model = nn.Linear(4, 2)
     engine, optimizer, _, _ = zerotune.initialize(model=model, config={
         "train_batch_size": 1, "optimizer": {"type": "Adam"}, "zero_optimization": {"stage": 1},
