@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError
 from torch import nn
 
 import zerotune
+from tests.harness import run_distributed
 from zerotune.compat import config_utils, precision_config, runtime, runtime_constants
 from zerotune.config import ConfigError, load_config
 from zerotune.config.sections import BF16Config, FP16Config
@@ -110,6 +111,10 @@ def test_runtime_config_getters_and_constants() -> None:
 def test_log_level_key_is_checked_and_applied_by_initialize() -> None:
     with pytest.raises(ConfigError, match="log_level.*'loud'.*debug, info, warning, error, critical"):
         load_config({"train_batch_size": 1, "log_level": "loud"})
+    run_distributed(_log_level_applied, 1)  # (initialize makes a process group: never in the pytest process)
+
+
+def _log_level_applied() -> None:
     logger = get_logger()
     saved = logger.level, [handler.level for handler in logger.handlers]
     try:
