@@ -8,11 +8,16 @@ import torch
 from torch import nn
 
 import zerotune
+from tests.harness import run_distributed
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_flat_buffers_are_the_parameters_storage(stage: int, dtype: str) -> None:
+    run_distributed(_flat_buffers_checked, 1, stage, dtype)  # (initialize makes a process group: never in pytest's)
+
+
+def _flat_buffers_checked(stage: int, dtype: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     config = {"train_batch_size": 1, "zero_optimization": {"stage": stage},
@@ -36,6 +41,10 @@ def test_flat_buffers_are_the_parameters_storage(stage: int, dtype: str) -> None
 
 
 def test_no_flat_buffers_without_zero_partitioning() -> None:
+    run_distributed(_no_flat_buffers, 1)
+
+
+def _no_flat_buffers() -> None:
     _, optimizer, _, _ = zerotune.initialize(model=nn.Linear(2, 2), config={
         "train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
     assert not hasattr(optimizer, "bit16_groups_flat")

@@ -105,6 +105,10 @@ def test_config_chosen_leaf_trains_like_single_process_on_two_ranks() -> None:
 
 
 def test_initialize_marks_the_configured_leaves() -> None:
+    run_distributed(_configured_leaves_marked, 1)  # (initialize makes a process group: never in the pytest process)
+
+
+def _configured_leaves_marked() -> None:
     model = nn.Sequential(nn.Linear(4, 4), _Experts())
     zerotune.initialize(model=model, config={"train_micro_batch_size_per_gpu": 1,
                                              "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
