@@ -5,6 +5,8 @@ that rank) at 2 and 4 ranks."""
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -47,14 +49,19 @@ def _batch(step: int, rank: int, world: int, rule: str) -> dict:
 
 def _reference(world: int, rule: str) -> Trace:
     model = Branchy()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     for param in model.parameters():  # an unused parameter gets a zero gradient (and is stepped), as in ZeRO
         param.grad = torch.zeros_like(param)
+    return _reference_trace(model, world, lambda step, rank: _batch(step, rank, world, rule))
+
+
+def _reference_trace(model: nn.Module, world: int, batch_of: Callable[[int, int], dict]) -> Trace:
+    """Single-process PyTorch: each step the data-parallel mean over the ranks' slices, then AdamW."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     losses, norms = [], []
     for step in range(STEPS):
         total = 0.0
-        for rank in range(world):  # the data-parallel mean: each rank's slice with its own branch decision
-            loss = model(**_batch(step, rank, world, rule))
+        for rank in range(world):  # each rank's slice (with its own branch decision, where there is one)
+            loss = model(**batch_of(step, rank))
             (loss / world).backward()
             total += loss.item()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
@@ -65,23 +72,31 @@ def _reference(world: int, rule: str) -> Trace:
 
 
 def _zero3_run(rule: str, prefetch: int) -> Trace:
+    world = dist.get_world_size()
+    engine, trace = _zero3_trace(Branchy(), {"stage3_prefetch_bucket_size": prefetch},
+                                 lambda step, rank: _batch(step, rank, world, rule))
+    engine.destroy()
+    return trace
+
+
+def _zero3_trace(model: nn.Module, zero: dict, batch_of: Callable[[int, int], dict]) -> tuple[Any, Trace]:
+    """The same steps on this rank's slices under ZeRO-3 (AdamW, every unit partitioned); the engine is returned
+    for a last look (its caller destroys it)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     config = {"train_micro_batch_size_per_gpu": ROWS // world, "steps_per_print": 1000,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0,
-                                    "stage3_prefetch_bucket_size": prefetch}}
-    engine, *_ = zerotune.initialize(model=Branchy(), config=config)
+              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+    engine, *_ = zerotune.initialize(model=model, config=config)
     losses, norms = [], []
     for step in range(STEPS):
-        loss = engine(**_batch(step, rank, world, rule))
+        loss = engine(**batch_of(step, rank))
         engine.backward(loss)
         engine.step()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
         norms.append(engine.get_global_grad_norm())
-    engine.destroy()
-    return Trace(losses, norms)
+    return engine, Trace(losses, norms)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -121,42 +136,17 @@ def _dangling_batch(step: int, rank: int, world: int) -> dict:
 
 
 def _dangling_reference(world: int) -> Trace:
-    model = Dangling()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    losses, norms = [], []
-    for step in range(STEPS):
-        total = 0.0
-        for rank in range(world):
-            loss = model(**_dangling_batch(step, rank, world))
-            (loss / world).backward()
-            total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf")).item())
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(total / world)
-    return Trace(losses, norms)
+    return _reference_trace(Dangling(), world, lambda step, rank: _dangling_batch(step, rank, world))
 
 
 def _dangling_zero3_run() -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    config = {"train_micro_batch_size_per_gpu": ROWS // world, "steps_per_print": 1000,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
-              "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
-    engine, *_ = zerotune.initialize(model=Dangling(), config=config)
-    losses, norms = [], []
-    for step in range(STEPS):
-        loss = engine(**_dangling_batch(step, rank, world))
-        engine.backward(loss)
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-        norms.append(engine.get_global_grad_norm())
+    engine, trace = _zero3_trace(Dangling(), {}, lambda step, r: _dangling_batch(step, r, world))
     with torch.no_grad():  # an evaluation forward: the held unit is released at its end
         engine(**_dangling_batch(0, rank, world))
     released = engine.module.dangler.bias.ds_status.name
     engine.destroy()
-    return {"trace": Trace(losses, norms), "after_eval": released}
+    return {"trace": trace, "after_eval": released}
 
 
 def test_zero3_keeps_a_returned_parameter_gathered_for_its_caller() -> None:

@@ -134,7 +134,8 @@ class BucketedReduceGradSync:
             bucket.view(piece).copy_(piece.of(grad))
         param.grad = None
         if self._round_open:
-            self._ready.add(id(param))
+            if self.require_all_grads is not None:  # (only ignore_unused_parameters: false looks)
+                self._ready.add(id(param))
             self.buckets.mark_ready(param)
 
     def _launch(self, bucket: Bucket) -> None:
