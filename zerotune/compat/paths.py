@@ -136,6 +136,11 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "partition_balanced", "is_model_parallel_parameter", "clip_grad_norm_", "get_weight_norm", "CheckOverflow",
         "check_internal_apis_for_count_used_parameters", "count_used_parameters_in_backward")),
     "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
+    # Ulysses: DeepSpeed's layer names and ALST pieces on zerotune.parallel.sequence
+    "deepspeed.sequence": Mapped("zerotune.compat.sequence_layer", ()),
+    "deepspeed.sequence.layer": Mapped("zerotune.compat.sequence_layer", (
+        "DistributedAttention", "_SeqAllToAll", "single_all_to_all", "apply_rotary_pos_emb", "_rotate_half",
+        "_torchembed_available")),
     "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (
         "is_compile_supported", "disable", "enable", "is_compiling", "compiled_autograd")),
     "deepspeed.runtime.lr_schedules": Mapped("zerotune.compat.lr_schedules", _LR_SCHEDULES),
@@ -234,6 +239,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
 }
 
 REFUSED_MODULES: dict[str, str] = {
+    "deepspeed.sequence.fpdt_layer": "FPDT (chunked, host-offloaded Ulysses attention: deepspeed.sequence.fpdt_layer)",
     "deepspeed.compile": "DeepCompile's graph passes (deepspeed.compile; engine.compile() runs torch.compile)",
     "deepspeed.inference.v2": "DeepSpeed-FastGen (inference v2: ragged batching and its kernels)",
     "deepspeed.module_inject.replace_module": _KERNEL_INJECTION,

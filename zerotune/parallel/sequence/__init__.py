@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from zerotune.parallel.sequence.all_to_all import seq_all_to_all
 from zerotune.parallel.sequence.batch import combine_sequence_parallel_loss, shard_sequence_batch
+from zerotune.parallel.sequence.distributed_attention import DistributedAttention
 from zerotune.parallel.sequence.ulysses_attention import (
     ULYSSES_ATTENTION,
     UlyssesContext,
@@ -14,6 +15,7 @@ from zerotune.parallel.sequence.ulysses_attention import (
 )
 
 __all__ = [
+    "DistributedAttention",
     "ULYSSES_ATTENTION",
     "UlyssesContext",
     "combine_sequence_parallel_loss",
