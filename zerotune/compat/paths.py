@@ -136,6 +136,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "partition_balanced", "is_model_parallel_parameter", "clip_grad_norm_", "get_weight_norm", "CheckOverflow",
         "check_internal_apis_for_count_used_parameters", "count_used_parameters_in_backward")),
     "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
+    # one batched reduce-scatter on zerotune's collective layer; ZeRO++'s quantized all-to-all refused when called
+    "deepspeed.runtime.comm": Mapped("zerotune.compat.coalesced_collectives", ()),
+    "deepspeed.runtime.comm.coalesced_collectives": Mapped("zerotune.compat.coalesced_collectives", (
+        "reduce_scatter_coalesced", "all_to_all_quant_reduce")),
     # Ulysses: DeepSpeed's layer names and ALST pieces on zerotune.parallel.sequence
     "deepspeed.sequence": Mapped("zerotune.compat.sequence_layer", ()),
     "deepspeed.sequence.layer": Mapped("zerotune.compat.sequence_layer", (
@@ -278,6 +282,8 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.runtime.zero.partition_parameters.zero3_linear_wrap": _CONSTRUCTOR_PATCHING,
     "deepspeed.runtime.zero.parameter_offload.ZeROOrderedDict": _PARAMETER_DICT,
     "deepspeed.runtime.zero.parameter_offload.ensure_zero_ordered_dict": _PARAMETER_DICT,
+    "deepspeed.runtime.comm.coalesced_collectives.all_to_all_quant_reduce": ("ZeRO++'s quantized all-to-all "
+                                                                             "(qgZ: DeepSpeed's CUDA quantizer)"),
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",
 }
