@@ -180,9 +180,12 @@ def test_more_stages_than_layers_is_refused():
         balanced_boundaries([1, 1, 1, 1], 5)
 
 
-def test_gas_smaller_than_stages_is_refused_for_1f1b():
-    with pytest.raises(ScheduleError, match="gradient_accumulation_steps=2 < 4 stages"):
-        build_schedule("1f1b", 2, 4, 0)
+def test_1f1b_with_fewer_micro_batches_than_stages_holds_them_all_on_the_early_stages():
+    """As DeepSpeed's TrainSchedule: a stage whose warm-up covers every micro-batch runs GPipe's order."""
+    assert build_schedule("1f1b", 2, 4, 0) == build_schedule("gpipe", 2, 4, 0)
+    assert [max_in_flight(build_schedule("1f1b", 2, 4, stage)) for stage in range(4)] == [2, 2, 2, 1]
+    with pytest.raises(ScheduleError, match="0 micro-batches, 4 stages"):
+        build_schedule("1f1b", 0, 4, 0)
 
 
 def test_tied_layer_specs_of_different_shapes_are_refused():
@@ -200,7 +203,6 @@ def _initialize_error(config_change: dict, stages: int) -> str:
 
 
 @pytest.mark.parametrize("change, expected", [
-    ({"gradient_accumulation_steps": 1}, "gradient_accumulation_steps=1 < 2 stages"),
     ({"zero_optimization": {"stage": 3}}, "3 with pipeline parallelism is not supported yet"),
     ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}},
      "optimizer offload with pipeline parallelism at ZeRO stage 2 is not supported yet"),

@@ -169,6 +169,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.pipe.topology": Mapped("zerotune.compat.pipe_topology", (
         "ProcessTopology", "PipeDataParallelTopology", "PipeModelDataParallelTopology", "PipelineParallelGrid")),
     "deepspeed.runtime.pipe.engine": Mapped("zerotune.compat.pipe", ("PipelineEngine",)),
+    "deepspeed.runtime.pipe.schedule": Mapped("zerotune.pipe.steps", (
+        "PipeSchedule", "TrainSchedule", "InferenceSchedule", "DataParallelSchedule", "PipeInstruction",
+        "OptimizerStep", "ReduceGrads", "ReduceTiedGrads", "BufferOpInstruction", "LoadMicroBatch", "ForwardPass",
+        "BackwardPass", "SendActivation", "RecvActivation", "SendGrad", "RecvGrad")),
     # MoE is importable (DeepSpeed code imports it at module level) and refused when built: refusals.py
     "deepspeed.moe": Mapped("zerotune.compat.moe", ()),
     "deepspeed.moe.layer": Mapped("zerotune.compat.moe", ("MoE",)),

@@ -1,13 +1,11 @@
 """``PipelineEngine``: DeepSpeed's ``train_batch`` / ``eval_batch`` over pipeline stages.
 
-One ``train_batch`` = one optimizer step = ``gradient_accumulation_steps`` micro-batches pushed
-through the stages in the configured schedule (``schedule.py``). Around each action:
-
-* forward: the first stage takes a micro-batch from the data iterator (``batch_fn`` splits it into
-  the model inputs and the labels); the others receive the previous stage's outputs (``p2p.py``);
-  the last stage also reads the micro-batch, for its labels, and computes ``loss_fn``;
-* backward: the last stage backpropagates ``loss * loss_scale / GAS``; the others receive the
-  gradient of their outputs; every stage but the first sends its inputs' gradient back.
+One ``train_batch`` = one optimizer step = ``gradient_accumulation_steps`` micro-batches: the engine
+executes the configured schedule's instructions (``steps.py``; ``_BatchRun`` below), in order. The
+first stage loads the inputs, the last the labels (``batch_fn`` splits a micro-batch) and computes
+``loss_fn``; the others receive the previous stage's outputs (``p2p.py``). The last stage's backward
+is of ``loss * loss_scale / GAS``; the others receive their outputs' gradient, and all but the first
+send their inputs' gradient back. ``eval_batch`` runs an ``InferenceSchedule`` the same way.
 
 Why not ``torch.distributed.pipelining``'s schedules: they run each micro-batch's backward
 themselves and rescale the accumulated gradients afterwards (``scale_grads``), while zerotune's
@@ -19,7 +17,7 @@ infer shapes with a meta forward, where ours learn shapes from a small header pe
 
 After the last backward the step is the data-parallel engine's, with the gradient norm summed
 over the pipeline (and tensor) ranks. Sends are asynchronous and receives blocking; every stage's
-schedule is consistent with its neighbours', so this cannot deadlock. The batch loss is broadcast
+instructions are laid out on one clock (``schedule.py``), so this cannot deadlock. The batch loss is broadcast
 from the last stage and averaged over the data-parallel ranks: every rank returns it.
 """
 
@@ -41,9 +39,23 @@ from zerotune.engine_offload_states import FORWARD_NEEDS
 from zerotune.parallel.activation_checkpointing import checkpoint as activation_checkpoint
 from zerotune.parallel.activation_checkpointing import non_reentrant_checkpoint
 from zerotune.parallel.tensor.state_dict import iter_full_tensors
+from zerotune.pipe.instructions import (
+    BackwardPass,
+    ForwardPass,
+    LoadMicroBatch,
+    OptimizerStep,
+    PipeInstruction,
+    RecvActivation,
+    RecvGrad,
+    ReduceGrads,
+    ReduceTiedGrads,
+    SendActivation,
+    SendGrad,
+)
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.p2p import ACTIVATION_TAG, GRADIENT_TAG, as_tuple, recv_tensors, send_tensors
-from zerotune.pipe.schedule import build_schedule
+from zerotune.pipe.steps import InferenceSchedule, PipeSchedule, train_schedule
+from zerotune.zero.contracts import TiedWeight
 
 
 def _schedule_only(method: str) -> str:
@@ -150,59 +162,27 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
     # ---- one batch -------------------------------------------------------------------------
     @EngineGuards.method
     def train_batch(self, data_iter: Iterator | None = None) -> torch.Tensor:
-        """One optimizer step over GAS micro-batches; the mean loss on every rank."""
+        """One optimizer step over GAS micro-batches: the configured schedule's instructions (``steps.py``),
+        run in order; the mean loss on every rank."""
         self._require_on_device("train_batch()")
         comm.guard_point("train_batch", self.global_steps, self.micro_steps)
         self.pipe.train()
         micro_batches = self.gradient_accumulation_steps()
-        schedule = build_schedule(self._config.pipeline.schedule, micro_batches, self.num_stages, self.stage_id)
-        saved: dict[int, tuple] = {}
-        losses: list[torch.Tensor] = []
-        sends: list[comm.Handle] = []
-        backwards_done = 0
         self.timeline = []
-        for action in schedule:
-            if action.kind == "forward":
-                inputs, labels = self._stage_inputs(data_iter)
-                started = time.perf_counter()
-                outputs = self.pipe(inputs[0] if len(inputs) == 1 else inputs)
-                if self.is_last_stage():
-                    outputs = self._loss(outputs, labels)
-                    losses.append(outputs.detach().float())
-                self.timeline.append(("forward", action.micro_batch, started, time.perf_counter()))
-                if not self.is_last_stage():
-                    sends += send_tensors(as_tuple(outputs), self._neighbour("next"), ACTIVATION_TAG)
-                saved[action.micro_batch] = (inputs, outputs)
-            else:
-                backwards_done += 1
-                self.state.begin_micro_step(backwards_done == micro_batches)
-                inputs, outputs = saved.pop(action.micro_batch)
-                grads = None if self.is_last_stage() else recv_tensors(self._neighbour("next"), GRADIENT_TAG,
-                                                                       self.device)
-                started = time.perf_counter()
-                self._backward(outputs, grads)
-                self.timeline.append(("backward", action.micro_batch, started, time.perf_counter()))
-                if not self.is_first_stage():
-                    input_grads = tuple(t.grad if t.grad is not None else torch.zeros_like(t)
-                                        for t in inputs if t.requires_grad)
-                    sends += send_tensors(input_grads, self._neighbour("previous"), GRADIENT_TAG)
-        for handle in sends:
-            handle.wait()
-        mean_loss = self._broadcast_loss(losses, micro_batches)
-        self._window_loss = mean_loss * micro_batches  # the step report divides by GAS
-        with self.timers("step"):
-            ties = [(param, self.tie_groups[key]) for key, param in self.pipe.local_tied_parameters().items()]
-            self.state.finish(ties)  # a tied weight's gradient summed over the stages holding it
-            self._take_model_step({})
+        run = _BatchRun(self, data_iter, micro_batches)
+        run.execute(train_schedule(self._config.pipeline.schedule, micro_batches, self.num_stages, self.stage_id))
         self.micro_steps += micro_batches
-        return mean_loss
+        if run.mean_loss is None:
+            raise RuntimeError("the pipeline schedule ended without an OptimizerStep")
+        return run.mean_loss
 
     @EngineGuards.method
     @torch.no_grad()
     def eval_batch(self, data_iter: Iterator | None = None, return_logits: bool = False, compute_loss: bool = True,
                    reduce_output: str = "avg", bcast_loss: bool = True, num_micro_batches: int | None = None
                    ) -> torch.Tensor:
-        """Forward-only over GAS micro-batches (or ``num_micro_batches``): the mean loss on every rank."""
+        """Forward-only over GAS micro-batches (or ``num_micro_batches``), an ``InferenceSchedule``'s
+        instructions: the mean loss on every rank."""
         if return_logits or not compute_loss or reduce_output != "avg":
             raise NotImplementedError("eval_batch supports compute_loss=True, reduce_output='avg' and no logits")
         self._require_on_device("eval_batch()", FORWARD_NEEDS)
@@ -210,18 +190,11 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         was_training = self.pipe.training
         self.pipe.eval()
         micro_batches = num_micro_batches or self.gradient_accumulation_steps()
-        losses, sends = [], []
-        for _ in range(micro_batches):
-            inputs, labels = self._stage_inputs(data_iter)
-            outputs = self.pipe(inputs[0] if len(inputs) == 1 else inputs)
-            if self.is_last_stage():
-                losses.append(self._loss(outputs, labels).float())
-            else:
-                sends += send_tensors(as_tuple(outputs), self._neighbour("next"), ACTIVATION_TAG)
-        for handle in sends:
-            handle.wait()
+        run = _BatchRun(self, data_iter, micro_batches, training=False)
+        run.execute(InferenceSchedule(micro_batches, self.num_stages, self.stage_id))
+        run.wait_for_sends()
         self.pipe.train(was_training)
-        return self._broadcast_loss(losses, micro_batches)
+        return self._broadcast_loss(run.losses, micro_batches)
 
     @EngineGuards.method
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -247,24 +220,6 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         return True
 
     # ---- pieces ----------------------------------------------------------------------------
-    def _stage_inputs(self, data_iter: Iterator | None) -> tuple[tuple, Any]:
-        """This stage's inputs for the next micro-batch, and the labels on the last stage."""
-        labels = None
-        if self.is_first_stage() or self.is_last_stage():
-            batch = next(data_iter) if data_iter is not None else self._next_default_batch()
-            check_batch_not_empty(batch, self.global_steps + 1, self.micro_steps, self.global_rank)
-            inputs, labels = self.batch_fn(map_tensors(batch, lambda t: t.to(self.device)))
-        if self.is_first_stage():
-            if self.policy.mixed:
-                inputs = map_tensors(inputs, lambda t: t.to(self.policy.param_dtype) if t.is_floating_point() else t)
-            if self._first_inputs_need_grad():  # (detached first: the script's own tensors stay as they are)
-                inputs = map_tensors(inputs, lambda t: t.detach().requires_grad_(t.is_floating_point()))
-            return as_tuple(inputs), labels
-        received = recv_tensors(self._neighbour("previous"), ACTIVATION_TAG, self.device)
-        if not torch.is_grad_enabled():
-            received = tuple(t.detach() for t in received)
-        return received, labels
-
     def _loss(self, outputs: Any, labels: Any) -> torch.Tensor:
         if self.pipe.loss_fn is None:
             if isinstance(outputs, torch.Tensor) and outputs.numel() == 1:
@@ -291,6 +246,148 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         comm.broadcast(total, self.num_stages - 1, self.mesh.group("pp"))
         comm.all_reduce(total, self.mesh.group("dp"))
         return total / self.mesh.size("dp")
+
+
+class _BatchRun:
+    """One batch's instructions on this stage, and what they leave between each other: the buffers' contents
+    (slots keyed by ``buffer_id``; a schedule that reuses a busy one fails, naming it), the losses, the
+    pending sends and the tied weights handed to the reduction."""
+
+    def __init__(self, engine: PipelineEngine, data_iter: Iterator | None, micro_batches: int,
+                 training: bool = True) -> None:
+        self.engine, self.data_iter, self.micro_batches, self.training = engine, data_iter, micro_batches, training
+        self.inputs: dict[int, tuple] = {}
+        self.labels: dict[int, Any] = {}
+        self.outputs: dict[int, Any] = {}
+        self.output_grads: dict[int, tuple] = {}
+        self.input_grads: dict[int, tuple] = {}
+        self.micro_batch: dict[int, int] = {}  # the micro-batch in each buffer (the engine's timeline names it)
+        self.forwards = self.backwards = 0
+        self.losses: list[torch.Tensor] = []
+        self.sends: list[comm.Handle] = []
+        self.ties: list[TiedWeight] = []
+        self.reduced = False
+        self.mean_loss: torch.Tensor | None = None
+        self._handlers: dict[type, Callable[[Any], None]] = {
+            LoadMicroBatch: self.load, RecvActivation: self.recv_activation, ForwardPass: self.forward,
+            SendActivation: self.send_activation, RecvGrad: self.recv_grad, BackwardPass: self.backward,
+            SendGrad: self.send_grad, ReduceTiedGrads: self.reduce_tied_grads, ReduceGrads: self.reduce_grads,
+            OptimizerStep: self.optimizer_step}
+
+    def execute(self, schedule: PipeSchedule) -> None:
+        for step in schedule:
+            for instruction in step:
+                handler = next((self._handlers[k] for k in type(instruction).__mro__ if k in self._handlers), None)
+                if handler is None:
+                    raise TypeError(f"the pipeline engine has no implementation of {instruction!r}")
+                handler(instruction)
+
+    def wait_for_sends(self) -> None:
+        for handle in self.sends:
+            handle.wait()
+        self.sends = []
+
+    def _put(self, slots: dict[int, Any], buffer: int, value: Any, what: str) -> None:
+        if buffer in slots:
+            raise RuntimeError(f"pipeline stage {self.engine.stage_id}: buffer {buffer} still holds {what} of an "
+                               "earlier micro-batch; the schedule reuses it too early")
+        slots[buffer] = value
+
+    def _take(self, slots: dict[int, Any], buffer: int, what: str, instruction: PipeInstruction) -> Any:
+        if buffer not in slots:
+            raise RuntimeError(f"pipeline stage {self.engine.stage_id}: {instruction!r} finds no {what} in buffer "
+                               f"{buffer}; the schedule misses the instruction that provides it")
+        return slots.pop(buffer)
+
+    # ---- the instructions ------------------------------------------------------------------
+    def load(self, instruction: LoadMicroBatch) -> None:
+        """The next micro-batch: the inputs on the first stage, the labels on the last."""
+        engine, buffer = self.engine, instruction.buffer_id
+        if not (engine.is_first_stage() or engine.is_last_stage()):
+            return  # (nothing of a micro-batch is read between the ends, as DeepSpeed's)
+        batch = next(self.data_iter) if self.data_iter is not None else engine._next_default_batch()
+        check_batch_not_empty(batch, engine.global_steps + 1, engine.micro_steps, engine.global_rank)
+        inputs, labels = engine.batch_fn(map_tensors(batch, lambda t: t.to(engine.device)))
+        if engine.is_first_stage():
+            if engine.policy.mixed:
+                inputs = map_tensors(inputs, lambda t: t.to(engine.policy.param_dtype) if t.is_floating_point() else t)
+            if engine._first_inputs_need_grad():  # (detached first: the script's own tensors stay as they are)
+                inputs = map_tensors(inputs, lambda t: t.detach().requires_grad_(t.is_floating_point()))
+            self._put(self.inputs, buffer, as_tuple(inputs), "the inputs")
+        if engine.is_last_stage():
+            self._put(self.labels, buffer, labels, "the labels")
+
+    def recv_activation(self, instruction: RecvActivation) -> None:
+        received = recv_tensors(self.engine._neighbour("previous"), ACTIVATION_TAG, self.engine.device)
+        if not self.training:
+            received = tuple(t.detach() for t in received)
+        self._put(self.inputs, instruction.buffer_id, received, "the inputs")
+
+    def forward(self, instruction: ForwardPass) -> None:
+        engine, buffer = self.engine, instruction.buffer_id
+        inputs = self._take(self.inputs, buffer, "inputs", instruction)
+        if self.training:  # (kept for the backward, which sends their gradients)
+            self.inputs[buffer] = inputs
+        started = time.perf_counter()
+        outputs = engine.pipe(inputs[0] if len(inputs) == 1 else inputs)
+        if engine.is_last_stage():
+            outputs = engine._loss(outputs, self._take(self.labels, buffer, "labels", instruction))
+            self.losses.append(outputs.detach().float())
+        if self.training:
+            engine.timeline.append(("forward", self.forwards, started, time.perf_counter()))
+            self.micro_batch[buffer] = self.forwards
+        self.forwards += 1
+        if self.training or not engine.is_last_stage():
+            self._put(self.outputs, buffer, outputs, "the outputs")
+
+    def send_activation(self, instruction: SendActivation) -> None:
+        outputs = self._take(self.outputs, instruction.buffer_id, "outputs", instruction)
+        if self.training:  # (kept for the backward)
+            self.outputs[instruction.buffer_id] = outputs
+        self.sends += send_tensors(as_tuple(outputs), self.engine._neighbour("next"), ACTIVATION_TAG)
+
+    def recv_grad(self, instruction: RecvGrad) -> None:
+        grads = recv_tensors(self.engine._neighbour("next"), GRADIENT_TAG, self.engine.device)
+        self._put(self.output_grads, instruction.buffer_id, grads, "the outputs' gradients")
+
+    def backward(self, instruction: BackwardPass) -> None:
+        engine, buffer = self.engine, instruction.buffer_id
+        self.backwards += 1
+        engine.state.begin_micro_step(self.backwards == self.micro_batches)
+        inputs = self._take(self.inputs, buffer, "inputs", instruction)
+        outputs = self._take(self.outputs, buffer, "outputs", instruction)
+        grads = None if engine.is_last_stage() else self._take(self.output_grads, buffer, "gradients", instruction)
+        started = time.perf_counter()
+        engine._backward(outputs, grads)
+        engine.timeline.append(("backward", self.micro_batch.pop(buffer), started, time.perf_counter()))
+        if not engine.is_first_stage():
+            self._put(self.input_grads, buffer, tuple(t.grad if t.grad is not None else torch.zeros_like(t)
+                                                      for t in inputs if t.requires_grad), "the inputs' gradients")
+
+    def send_grad(self, instruction: SendGrad) -> None:
+        grads = self._take(self.input_grads, instruction.buffer_id, "input gradients", instruction)
+        self.sends += send_tensors(grads, self.engine._neighbour("previous"), GRADIENT_TAG)
+
+    def reduce_tied_grads(self, instruction: ReduceTiedGrads) -> None:
+        """The tied weights of this stage and their groups, summed by ``ReduceGrads``'s grad sync."""
+        engine = self.engine
+        self.ties = [(param, engine.tie_groups[key]) for key, param in engine.pipe.local_tied_parameters().items()]
+
+    def reduce_grads(self, instruction: ReduceGrads) -> None:
+        self.wait_for_sends()
+        with self.engine.timers("step"):
+            self.engine.state.finish(self.ties)
+        self.reduced = True
+
+    def optimizer_step(self, instruction: OptimizerStep) -> None:
+        engine = self.engine
+        if not self.reduced:
+            raise RuntimeError(f"pipeline stage {engine.stage_id}: OptimizerStep before ReduceGrads")
+        self.wait_for_sends()
+        self.mean_loss = engine._broadcast_loss(self.losses, self.micro_batches)
+        engine._window_loss = self.mean_loss * self.micro_batches  # the step report divides by GAS
+        with engine.timers("step"):
+            engine._take_model_step({})
 
 
 def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
