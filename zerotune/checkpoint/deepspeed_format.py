@@ -89,6 +89,11 @@ class DeepSpeedCheckpoint:
     dp_world_size: int
     ds_version: str | None = None
     ds_config: dict = field(default_factory=dict)
+    frozen_names: list[str] = field(default_factory=list)
+    """Parameters saved frozen (``frozen_param_shapes``): what ``exclude_frozen_parameters`` leaves out."""
+    buffer_names: list[str] = field(default_factory=list)
+    shared_params: dict[str, str] = field(default_factory=dict)
+    """Tied parameters: the name not stored -> the name holding the values (``weights`` has both, one tensor)."""
 
 
 def _load(path: Path) -> dict:
@@ -287,7 +292,19 @@ def read_deepspeed_checkpoint(directory: Path, tag: str | None = None) -> DeepSp
         skipped_steps=int(model0.get("skipped_steps", 0)), lr_scheduler=model0.get("lr_scheduler"),
         client_state={k: v for k, v in model0.items() if k not in _MODEL_KEYS},
         zero_stage=zero_stage, dp_world_size=int(model0.get("dp_world_size", world)),
-        ds_version=model0.get("ds_version"), ds_config=model0.get("ds_config") or {})
+        ds_version=model0.get("ds_version"), ds_config=model0.get("ds_config") or {},
+        frozen_names=_frozen_names(model0), buffer_names=list(model0.get("buffer_names") or []),
+        shared_params=dict(model0.get("shared_params") or {}))
+
+
+def _frozen_names(model: dict) -> list[str]:
+    """The frozen parameters: ``frozen_param_shapes`` (stages 2 and 3); stage 1 records none, so there they are the
+    module's tensors outside the flat groups, the buffers and the tied names."""
+    if model.get("frozen_param_shapes"):
+        return list(model["frozen_param_shapes"])
+    known = {name for group in model["param_shapes"] for name in group}
+    known |= set(model.get("buffer_names") or []) | set(model.get("shared_params") or {})
+    return [name for name in model["module"] if name not in known]
 
 
 def as_piece_reader(checkpoint: DeepSpeedCheckpoint, directory: Path) -> Any:

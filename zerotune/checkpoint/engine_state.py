@@ -133,6 +133,7 @@ def _write_checkpoint(train: TrainState, save_dir: str, tag: str | None, client_
             "optimizer_groups": train.group_hyperparameters(), "layout": _layout(train),
             "model_description": model_description(train.module),
             "trainable_names": [n for n, p in train.module.named_parameters() if p.requires_grad],
+            "buffer_names": [n for n, _ in train.module.named_buffers()], "shared_params": _shared_params(train.module),
             "curriculum": train.curriculum, "sparse_tensor_module_names": train.sparse_tensor_module_names,
         }, staging / model_file(train)))
     # stage 0: masters and optimizer state are replicated (the first replica saves them); stages 1-3: every
@@ -154,6 +155,18 @@ def _write_checkpoint(train: TrainState, save_dir: str, tag: str | None, client_
             for old in retain_newest(save_dir, keep):
                 get_logger().info("deleted checkpoint %s (checkpoint.keep_last: %d)", Path(save_dir) / old, keep)
     comm.barrier()
+
+
+def _shared_params(module: torch.nn.Module) -> dict[str, str]:
+    """Tied parameters, as DeepSpeed records them: each further name of a parameter -> its first name (the one its
+    values are saved under), so a consolidation (``checkpoint/consolidate.py``) gives every name the same tensor."""
+    first: dict[int, str] = {}
+    shared = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        if owner != name:
+            shared[name] = owner
+    return shared
 
 
 def _load_deepspeed(train: TrainState, directory: Path, tag: str | None, *, strict: bool, with_optimizer: bool,

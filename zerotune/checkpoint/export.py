@@ -70,51 +70,77 @@ def open_checkpoint(path: Path) -> tuple[PieceReader, dict, list[str]]:
 
 
 class ShardWriter:
-    """Safetensors shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own)."""
+    """Shards of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own), named as Hugging Face names
+    them: ``{stem}.{extension}``, or ``{stem}-0000i-of-0000N.{extension}`` with ``{stem}.{extension}.index.json``.
 
-    def __init__(self, directory: Path, max_shard_bytes: int, stem: str = "model") -> None:
-        self.directory, self.max_shard_bytes, self.stem = directory, max_shard_bytes, stem
+    ``extension`` ``safetensors`` (``save_file``) or ``bin`` (``torch.save``, DeepSpeed's ``zero_to_fp32`` default).
+    A tensor added under a second name (tied weights) costs no bytes: ``torch.save`` keeps one storage for both
+    names, as DeepSpeed's output does; safetensors cannot hold two names of one storage, so there it is a copy."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int | float, stem: str = "model",
+                 extension: str = "safetensors") -> None:
+        if extension not in ("safetensors", "bin"):
+            raise ExportError(f"shard format {extension!r} is not 'safetensors' or 'bin'")
+        self.directory, self.max_shard_bytes, self.stem, self.extension = directory, max_shard_bytes, stem, extension
         self.current: dict[str, torch.Tensor] = {}
+        self.current_storages: set[tuple] = set()  # _identity of each tensor in the current shard
         self.current_bytes = 0
         self.written: list[tuple[str, list[str]]] = []  # (temporary file, names)
         self.total = 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.contiguous()
+        identity = _identity(tensor)
+        if identity in self.current_storages and tensor.numel():
+            if self.extension == "bin":  # a second name of a tensor already in this shard
+                self.current[name] = tensor
+                return
+            tensor = tensor.clone()
         size = tensor.numel() * tensor.element_size()
         if self.current and self.current_bytes + size > self.max_shard_bytes:
             self.flush()
-        self.current[name] = tensor.contiguous()
+        self.current[name] = tensor
+        self.current_storages.add(_identity(tensor))
         self.current_bytes += size
         self.total += size
 
     def flush(self) -> None:
-        from safetensors.torch import save_file
-
         if not self.current:
             return
-        temporary = self.directory / f".shard{len(self.written)}.safetensors"
-        save_file(self.current, str(temporary), metadata={"format": "pt"})
+        # named per process: ranks that all convert into one directory (as DeepSpeed's tests do) do not collide
+        temporary = self.directory / f".shard{len(self.written)}.{os.getpid()}.{self.extension}"
+        if self.extension == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(self.current, str(temporary), metadata={"format": "pt"})
+        else:
+            torch.save(self.current, temporary)
         self.written.append((temporary.name, list(self.current)))
-        self.current, self.current_bytes = {}, 0
+        self.current, self.current_storages, self.current_bytes = {}, set(), 0
 
     def finish(self) -> list[str]:
         """Give the shards their final names and write the index; the files written."""
         self.flush()
         count = len(self.written)
         if count == 1:
-            final = f"{self.stem}.safetensors"
+            final = f"{self.stem}.{self.extension}"
             os.replace(self.directory / self.written[0][0], self.directory / final)
             return [final]
         weight_map, files = {}, []
         for index, (temporary, names) in enumerate(self.written, start=1):
-            final = f"{self.stem}-{index:05d}-of-{count:05d}.safetensors"
+            final = f"{self.stem}-{index:05d}-of-{count:05d}.{self.extension}"
             os.replace(self.directory / temporary, self.directory / final)
             weight_map.update({name: final for name in names})
             files.append(final)
-        index_name = f"{self.stem}.safetensors.index.json"
-        (self.directory / index_name).write_text(json.dumps({"metadata": {"total_size": self.total},
-                                                             "weight_map": weight_map}, indent=2))
+        index_name = f"{self.stem}.{self.extension}.index.json"
+        table = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.directory / index_name).write_text(json.dumps(table, indent=2, sort_keys=True) + "\n")
         return [*files, index_name]
+
+
+def _identity(tensor: torch.Tensor) -> tuple:
+    """Equal for two names of one tensor (tied weights), different for distinct views of one flat buffer."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
 
 
 def _lora_scale(peft: dict) -> float:

@@ -97,6 +97,16 @@ class PieceReader:
             raise CheckpointError(f"{self.directory} has no values for '{name}'")
         return self._full(name, kind, self.index[(name, kind)])
 
+    def full_dtype(self, name: str) -> torch.dtype:
+        """The dtype ``full(name)`` returns, read without assembling the tensor (a lazy consolidation's handle)."""
+        if (name, MASTER) not in self.index and name in self.whole:
+            return self.whole[name].dtype
+        kind = MASTER if (name, MASTER) in self.index else WEIGHT
+        if (name, kind) not in self.index:
+            raise CheckpointError(f"{self.directory} has no values for '{name}'")
+        file, entry = self.index[(name, kind)][0]
+        return self.files[file]["tensors"][entry["key"]].dtype
+
     def files_for(self, wanted: Iterable[tuple[str, str]]) -> set[str]:
         return {file for key in wanted for file, _ in self.index.get(key, [])}
 

@@ -99,6 +99,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "instrument_w_nvtx", "OnDevice", "set_log_level_from_string", *_TENSOR_FRAGMENT)),
     "deepspeed.utils.z3_leaf_module": Mapped("zerotune.zero.stage3.leaves", _Z3_LEAF),
     "deepspeed.utils.init_on_device": Mapped("zerotune.zero.on_device", ("OnDevice",)),
+    # one fp32 state dict from a zerotune or DeepSpeed ZeRO checkpoint (checkpoint/consolidate.py)
+    "deepspeed.utils.zero_to_fp32": Mapped("zerotune.compat.zero_to_fp32", (
+        "get_fp32_state_dict_from_zero_checkpoint", "convert_zero_checkpoint_to_fp32_state_dict",
+        "load_state_dict_from_zero_checkpoint", "get_optim_files", "get_model_state_files", "get_checkpoint_files")),
     "deepspeed.utils.tensor_fragment": Mapped("zerotune.compat.tensor_fragment", _TENSOR_FRAGMENT),
     "deepspeed.utils.torch": Mapped("zerotune.compat.torch_version", (
         "required_torch_version", "is_functorch_transforming", "register_grad_hook", "jit_script_compat")),
@@ -203,11 +207,13 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     # own classes live in runtime.zero
     "deepspeed.pt": Mapped("zerotune.compat.pt", ("DeepSpeedZeROOptimizer",)),
     "deepspeed.runtime.fp16": Mapped("zerotune.compat.fp16", ("fused_optimizer", "unfused_optimizer")),
+    "deepspeed.runtime.bf16_optimizer": Mapped("zerotune.compat.bf16_optimizer", ("BF16_Optimizer",)),
     "deepspeed.runtime.fp16.fused_optimizer": Mapped("zerotune.compat.fp16", ("FP16_Optimizer",)),
     "deepspeed.runtime.fp16.unfused_optimizer": Mapped("zerotune.compat.fp16", ("FP16_UnfusedOptimizer",)),
     "deepspeed.launcher": Mapped("zerotune.compat.launcher", ("runner",)),
     "deepspeed.launcher.runner": Mapped("zerotune.compat.launcher", (
         "DEEPSPEED_ENVIRONMENT_NAME", "DEEPSPEED_ENVIRONMENT_PATHS", "parse_args", "main")),
+    "deepspeed.runtime.zero.utils": Mapped("zerotune.compat.zero_utils", ("ZeRORuntimeException",)),
     "deepspeed.runtime.zero.config": Mapped("zerotune.compat.zero_config", (
         "DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
         "ZeroStageEnum")),
@@ -270,6 +276,8 @@ REFUSED_MODULES: dict[str, str] = {
 
 # Names refused when *called* (they live in modules that are otherwise supported).
 REFUSED_NAMES: dict[str, str] = {
+    "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": "DeepSpeed's bf16 optimizer wrapper (zerotune's bf16 masters "
+                                                       "live in the engine)",
     "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer": "DeepSpeed's fp16 optimizer wrapper (zerotune's mixed "
                                                              "precision lives in the engine)",
     "deepspeed.runtime.fp16.unfused_optimizer.FP16_UnfusedOptimizer": "DeepSpeed's fp16 optimizer wrapper (zerotune's "
