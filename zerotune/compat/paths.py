@@ -163,6 +163,11 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "MiCS_Init", "InsertPostInitMethodToModuleSubClasses", "zero3_linear_wrap")),
     "deepspeed.runtime.zero.parameter_offload": Mapped("zerotune.compat.parameter_offload", (
         "DeepSpeedZeRoOffload", "ZeROOrderedDict", "ensure_zero_ordered_dict")),
+    "deepspeed.runtime.zero.linear": Mapped("zerotune.compat.zero_linear", (
+        "LinearFunctionForZeroStage3", "LinearModuleForZeroStage3", "zero3_linear_wrap", "autocast_custom_fwd",
+        "autocast_custom_bwd")),
+    "deepspeed.runtime.zero.tiling": Mapped("zerotune.zero.tiled_linear", (
+        "TiledLinear", "TiledLinearReturnBias", "split_tensor_along_last_dim")),
     "deepspeed.runtime.zero.leaf_module_config": Mapped("zerotune.compat.zero_config", (
         "DeepSpeedZeroLeafModuleConfig", "DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES",
         "DEFAULT_LEAF_MODULE_NAME_SUFFIXES")),
