@@ -277,6 +277,9 @@ REFUSED_MODULES: dict[str, str] = {
                                                      "analyzer (the data_efficiency curriculum runs on the engine's "
                                                      "data loader instead)",
     "deepspeed.runtime.data_pipeline.data_routing": "random layerwise token dropping (random-LTD)",
+    "deepspeed.runtime.torch_autocast": ("torch_autocast (torch.autocast inside the engine with per-parameter "
+                                         "communication dtypes; zerotune's mixed precision is the bf16 / fp16 "
+                                         "sections, its gradients' wire dtype communication_data_type)"),
 }
 
 # Names refused when *called* (they live in modules that are otherwise supported).
