@@ -243,8 +243,8 @@ def test_unknown_key_without_close_match_lists_valid_keys():
 
 def test_unsupported_deepspeed_block():
     with pytest.raises(NotSupportedError) as info:
-        load_config({"flops_profiler": {"enabled": True}})
-    assert "'flops_profiler' is a DeepSpeed feature zerotune does not support; remove the block" in str(info.value)
+        load_config({"autotuning": {"enabled": True}})
+    assert "'autotuning' is a DeepSpeed feature zerotune does not support; remove the block" in str(info.value)
 
 
 @pytest.mark.parametrize("block, value", [("compression_training", {}), ("sparse_attention", {}),

@@ -155,7 +155,7 @@ JSON_VALUES = st.recursive(
     lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(st.text(max_size=6), children, max_size=3)),
     max_leaves=8,
 )
-KNOWN_TOP = sorted(ZeroTuneConfig.model_fields) + ["bfloat16", "flops_profiler"]
+KNOWN_TOP = sorted(ZeroTuneConfig.model_fields) + ["bfloat16", "autotuning"]
 
 
 @FUZZ

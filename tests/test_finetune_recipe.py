@@ -413,8 +413,8 @@ def test_engine_batch_size_becomes_the_recipe_batch():
 def test_engine_config_errors_are_prefixed_with_engine(tmp_path):
     error = error_of(recipe(engine={"zero_optimization": {"stage": 7}}))
     assert error.path == "engine.zero_optimization.stage"
-    error = error_of(recipe(engine={"flops_profiler": {"enabled": True}}))
-    assert error.path == "engine.flops_profiler" and "does not support" in str(error)
+    error = error_of(recipe(engine={"autotuning": {"enabled": True}}))
+    assert error.path == "engine.autotuning" and "does not support" in str(error)
     ds = tmp_path / "ds.json"
     ds.write_text(json.dumps({"fp16": {"enabled": "yes"}}))
     error = error_of(recipe(engine={"config_path": str(ds)}))

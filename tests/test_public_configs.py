@@ -54,7 +54,7 @@ def test_zerotune_check_command_shows_legacy_and_no_effect_notes() -> None:
     assert done.returncode == 0, done.stderr
     notes = done.stdout.split("notes:", 1)[1]
     assert "zero_optimization.cpu_offload: legacy key: zero_optimization.offload_optimizer.device = cpu" in notes
-    assert "flops_profiler: no effect here: the feature is off" in notes
+    assert "zero_force_ds_cpu_optimizer: no effect here" in notes
 
 
 def test_aliases_legacy_keys_and_no_effect_keys_are_mapped_and_reported() -> None:
@@ -82,7 +82,7 @@ def test_no_effect_keys_with_a_value_that_would_matter_are_refused() -> None:
                                                 r"\(accepted only as false, which has no effect\)"):
         load_config({"fp16": {"fp16_master_weights_and_grads": True}})
     with pytest.raises(NotSupportedError, match=r"accepted only as \{\"enabled\": false\}"):
-        load_config({"flops_profiler": {"enabled": True}})
+        load_config({"autotuning": {"enabled": True}})
     with pytest.raises(ConfigError, match="legacy key given together with 'offload_optimizer'"):
         load_config({"zero_optimization": {"cpu_offload": True, "offload_optimizer": {"device": "cpu"}}})
     with pytest.raises(ConfigError, match="did you mean 'stage3_max_live_parameters'"):

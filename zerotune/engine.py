@@ -21,6 +21,7 @@ from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.engine_batches import check_batch_not_empty, loss_from_output, map_tensors
 from zerotune.engine_compile import EngineCompile
 from zerotune.engine_core import EngineCore
+from zerotune.engine_flops import EngineFlops
 from zerotune.engine_offload_states import BACKWARD_NEEDS, FORWARD_NEEDS
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
 
@@ -29,7 +30,7 @@ class NoSyncError(RuntimeError, AssertionError):
     """A misuse of ``engine.no_sync()``; also an AssertionError, which DeepSpeed raises (and its tests expect)."""
 
 
-class Engine(EngineCompile, EngineCore):
+class Engine(EngineCompile, EngineFlops, EngineCore):
     """Wraps a model for data-parallel training: DeepSpeed's micro-step API over the step core."""
 
     def __init__(self, **core: Any) -> None:
@@ -42,6 +43,7 @@ class Engine(EngineCompile, EngineCore):
                                       or self.mesh.size("sp") > 1)
         self._step_calls = 0  # engine.step() calls: the micro-steps this engine has run (never rewound)
         self._guarded_at = -1  # one collective-guard point per micro-step, before its first collective
+        self._flops_setup()  # the config's flops_profiler block (engine_flops.py)
 
     # ---- one micro-step ------------------------------------------------------------------
     @EngineGuards.method
@@ -63,7 +65,7 @@ class Engine(EngineCompile, EngineCore):
                 comm.guard_point("forward (no grad)", self.global_steps, self.micro_steps)
         if self.training and torch.is_grad_enabled():
             self.tput_timer.start()
-        with self.timers("forward"):
+        with self.timers("forward"), self._flops_forward():
             if self.mesh.size("sp") > 1:
                 return sequence_parallel_forward(self.module, self.mesh.group("sp"), args, kwargs)
             return self.module(*args, **kwargs)
@@ -86,7 +88,7 @@ class Engine(EngineCompile, EngineCore):
         if communicate or self._forward_communicates or self.state.reduces_every_backward:
             self._guard_point("backward")
         self.state.begin_micro_step(communicate)
-        with self.timers("backward"):
+        with self.timers("backward"), self._flops_phase("backward"):
             (loss.float() * (self.loss_scaler.loss_scale / gas_divisor)).backward(retain_graph=retain_graph)
         return loss / gas_divisor
 
@@ -106,8 +108,9 @@ class Engine(EngineCompile, EngineCore):
             self._guard_point("optimizer step")
             with self.timers("reduce"):
                 self.state.finish()
-            with self.timers("step"):
+            with self.timers("step"), self._flops_phase("step"):
                 self._take_model_step(lr_kwargs or {})
+            self._flops_report()  # the step flops_profiler.profile_step measured: its profile (engine_flops.py)
         self.tput_timer.stop(global_step=boundary)
         self.micro_steps += 1
         self._step_calls += 1

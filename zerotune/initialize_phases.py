@@ -142,6 +142,10 @@ def check_run(setup: RunSetup, *, has_training_data: bool) -> None:
     check_pipeline_composes(cfg, setup.mesh)
     for note in curriculum_notes(cfg, pipelined=setup.pipelined, has_training_data=has_training_data):
         log_rank0("%s", note, rank=rank, level=logging.WARNING)
+    if cfg.flops_profiler.enabled and setup.pipelined:
+        raise NotSupportedYetError("flops_profiler.enabled", "the flops profiler runs in the engine's forward, which a "
+                                                             "pipeline's stages do not use; profile the model with "
+                                                             "deepspeed.profiling.flops_profiler.get_model_profile")
     if cfg.compile.enabled and (setup.pipelined or cfg.zero_optimization.stage == 3):
         raise NotSupportedYetError("compile.enabled", "torch.compile of a pipeline's stages or of a ZeRO stage-3 model "
                                                       "is not supported yet (engine.compile says why); compile at "

@@ -56,6 +56,8 @@ _CHECKPOINTING = ("checkpoint", "configure", "is_configured", "reset", "non_reen
 _LR_SCHEDULES = ("VALID_LR_SCHEDULES", "LR_RANGE_TEST", "ONE_CYCLE", "WARMUP_LR", "WARMUP_DECAY_LR",
                  "WARMUP_COSINE_LR", "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR",
                  "add_tuning_arguments")
+_FLOPS_PROFILER = ("FlopsProfiler", "get_model_profile", "number_to_string", "macs_to_string", "flops_to_string",
+                   "bytes_to_string", "params_to_string", "duration_to_string")
 _OPS_ADAM = ("FusedAdam", "DeepSpeedCPUAdam")
 _TENSOR_FRAGMENT = ("safe_get_full_fp32_param", "safe_set_full_fp32_param", "safe_get_full_optimizer_state",
                     "safe_set_full_optimizer_state", "safe_get_full_grad", "safe_set_full_grad",
@@ -246,6 +248,11 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.compression": Mapped("zerotune.compat.compression", ("init_compression", "redundancy_clean")),
     "deepspeed.compression.helper": Mapped("zerotune.compat.compression", ("recursive_getattr", "recursive_setattr")),
     # the elastic batch a resource scheduler plans with; the engine applies the config's block itself
+    # DeepSpeed's flops profiler on torch's FlopCounterMode (zerotune/profiling/); the engine runs it at the
+    # config's flops_profiler.profile_step
+    "deepspeed.profiling": Mapped("zerotune.compat.profiling", ("flops_profiler",)),
+    "deepspeed.profiling.flops_profiler": Mapped("zerotune.profiling", _FLOPS_PROFILER),
+    "deepspeed.profiling.flops_profiler.profiler": Mapped("zerotune.profiling", _FLOPS_PROFILER),
     "deepspeed.elasticity": Mapped("zerotune.compat.elasticity", (*_ELASTICITY, "is_torch_elastic_compatible",
                                                                  "DSElasticAgent", "ELASTICITY", "ENABLED",
                                                                  "ENABLED_DEFAULT", "config", "elasticity")),

@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 
 
 class NotSupportedError(ConfigError, NotImplementedError):
-    """A DeepSpeed feature zerotune does not model at all (e.g. ``flops_profiler``), or a combination DeepSpeed
+    """A DeepSpeed feature zerotune does not model at all (e.g. ``autotuning``), or a combination DeepSpeed
     refuses too. Also a ``NotImplementedError``: what DeepSpeed raises for those, so code and tests written
     against DeepSpeed catch it."""
 

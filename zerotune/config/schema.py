@@ -17,6 +17,7 @@ from pydantic import Field, PrivateAttr, field_validator
 from .curriculum_section import CurriculumLearningConfig, DataEfficiencyConfig
 from .data_types import DataTypesConfig
 from .elasticity import ElasticityConfig
+from .flops_profiler_section import FlopsProfilerConfig
 from .section import NoEffect, Section
 from .sections import (
     ActivationCheckpointingConfig,
@@ -63,7 +64,7 @@ def _is(*allowed: Any) -> Callable[[Any], bool]:
 # Top-level DeepSpeed keys accepted without a field: the values for which they change nothing here.
 _NO_EFFECT_TOP: dict[str, NoEffect] = {
     **{block: (_disabled, '{"enabled": false}', "the feature is off") for block in (
-        "flops_profiler", "autotuning", "amp", "eigenvalue",
+        "autotuning", "amp", "eigenvalue",
         "progressive_layer_drop", "hybrid_engine", "nebula", "comet", "torch_autocast")},
     "comms_logger": (None, "", "every collective is always counted: zerotune.comm.comm_stats() / log_summary()"),
     "timers": (None, "", "the throughput timer always runs (engine.tput_timer)"),
@@ -170,6 +171,9 @@ class ZeroTuneConfig(Section):
     """Time forward, backward and step separately and log the breakdown."""
     memory_breakdown: AutoBool = False
     """Log accelerator memory use at each step."""
+    flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
+    """DeepSpeed's flops profiler: one step's forward profiled and printed on rank 0
+    (config/flops_profiler_section.py)."""
     tensorboard: MonitorConfig = Field(default_factory=MonitorConfig)
     """TensorBoard event-file logging."""
     csv_monitor: MonitorConfig = Field(default_factory=MonitorConfig)
