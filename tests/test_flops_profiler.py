@@ -152,3 +152,33 @@ def test_config_keys_are_validated() -> None:
             load_config({"flops_profiler": bad})
     with pytest.raises(ConfigError, match="flops_profiler.modul_depth.*did you mean 'module_depth'"):
         load_config({"flops_profiler": {"modul_depth": 1}})
+
+
+def _zero3_and_pipeline() -> dict:
+    from zerotune.config.errors import NotSupportedYetError
+    from zerotune.pipe import LayerSpec, PipelineModule
+
+    torch.manual_seed(0)
+    model = _Simple()
+    config = {"train_batch_size": 2, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+              "zero_optimization": {"stage": 3}, "flops_profiler": {"enabled": True, "profile_step": 0}}
+    engine, *_ = zerotune.initialize(config=config, model=model, model_parameters=model.parameters())
+    with contextlib.redirect_stdout(io.StringIO()):
+        loss = engine(torch.randn(2, 10), torch.randint(0, 10, (2,)))
+        engine.backward(loss)
+        engine.step()
+    profiler = engine.flops_profiler
+    pipe = PipelineModule([LayerSpec(nn.Linear, 4, 4)], num_stages=1, loss_fn=nn.MSELoss())
+    try:
+        zerotune.initialize(config={"train_batch_size": 1, "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+                                    "flops_profiler": {"enabled": True}}, model=pipe)
+        refusal = ""
+    except NotSupportedYetError as err:
+        refusal = str(err)
+    return {"flops": profiler.flops, "params": profiler.params, "refusal": refusal}
+
+
+def test_zero3_counts_whole_parameters_and_a_pipeline_refuses_the_block() -> None:
+    (result,) = run_distributed(_zero3_and_pipeline, 1, timeout=120)
+    assert result["flops"] == 2 * 2 * 10 * 10 and result["params"] == 110  # ZeRO-3's gathered forward, ds_numel
+    assert "flops_profiler.enabled" in result["refusal"] and "get_model_profile" in result["refusal"]

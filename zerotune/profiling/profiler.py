@@ -166,7 +166,8 @@ def get_model_profile(model: torch.nn.Module, input_shape: Optional[tuple] = Non
     unmeasured runs; returns ``(flops, macs, params)``, as strings when ``as_string``.
 
     The input is ``input_shape`` (one uninitialized tensor of the model's dtype and device, as DeepSpeed builds
-    it) or ``args`` / ``kwargs``."""
+    it) or ``args`` / ``kwargs``. The runs go without autograd (their outputs are dropped; the counts are the
+    same), which DeepSpeed's leaves on."""
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"get_model_profile: model must be a torch.nn.Module, got {type(model).__name__}")
     args, kwargs = list(args or []), dict(kwargs or {})
