@@ -120,6 +120,9 @@ def _train_with_profiler(output_file: str | None) -> dict:
             engine.step()
             seen.append(printed.getvalue().count("DeepSpeed Flops Profiler"))
     profiler = engine.flops_profiler
+    assert engine.flops_profiler_enabled() and engine.flops_profiler_profile_step() == 2
+    assert (engine.flops_profiler_top_modules(), engine.flops_profiler_module_depth()) == (3, -1)
+    assert engine.flops_profiler_output_file() == output_file and engine.flops_profiler_recompute_fwd_factor() == 0.5
     return {"seen": seen, "printed": printed.getvalue(), "flops": profiler.flops, "macs": profiler.macs,
             "params": profiler.params, "started": profiler.started}
 

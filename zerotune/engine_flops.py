@@ -39,9 +39,28 @@ class EngineFlops:
             self.flops_profiler = FlopsProfiler(self.module, ds_engine=self,
                                                 recompute_fwd_factor=cfg.recompute_fwd_factor)
 
+    # DeepSpeed's queries of the block
     def flops_profiler_enabled(self) -> bool:
-        """Whether the config's ``flops_profiler`` block is on (DeepSpeed's query)."""
+        """Whether the config's ``flops_profiler`` block is on."""
         return bool(self._config.flops_profiler.enabled)
+
+    def flops_profiler_recompute_fwd_factor(self) -> float:
+        return float(self._config.flops_profiler.recompute_fwd_factor)
+
+    def flops_profiler_profile_step(self) -> int:
+        return int(self._config.flops_profiler.profile_step)
+
+    def flops_profiler_module_depth(self) -> int:
+        return int(self._config.flops_profiler.module_depth)
+
+    def flops_profiler_top_modules(self) -> int:
+        return int(self._config.flops_profiler.top_modules)
+
+    def flops_profiler_detailed(self) -> bool:
+        return bool(self._config.flops_profiler.detailed)
+
+    def flops_profiler_output_file(self) -> Optional[str]:
+        return self._config.flops_profiler.output_file
 
     @property
     def mp_world_size(self) -> int:
