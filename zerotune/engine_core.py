@@ -26,6 +26,7 @@ from zerotune.checkpoint.engine_state import load_engine_checkpoint, load_newest
 from zerotune.checkpoint.train_state import CheckpointSettings, Counters, TrainState
 from zerotune.config import resolved
 from zerotune.distributed import comm
+from zerotune.distributed.comm_log import COMMS_LOGGER
 from zerotune.distributed.compression import CompressionStats, TopKCompressor
 from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.distributed.env import DistEnv
@@ -41,6 +42,7 @@ from zerotune.monitor.step_report import StepReporter
 from zerotune.monitor.throughput import ThroughputTimer
 from zerotune.monitor.timers import WallClockTimers
 from zerotune.monitor.writers import ScalarWriters
+from zerotune.offload.pinned import TRACKER as PINNED
 from zerotune.precision.loss_scaler import DynamicLossScaler, LossScaleError, NonFiniteError, StaticLossScaler
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.contracts import ZeroStage
@@ -93,6 +95,10 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.timers = WallClockTimers(config.wall_clock_breakdown,
                                       torch.cuda.synchronize if env.device.type == "cuda" else None)
         self.monitor = ScalarWriters.from_config(config.tensorboard, config.csv_monitor, config.wandb, rank=env.rank)
+        if config.comms_logger.enabled:  # the process's collectives log, as DeepSpeed's engine configures it
+            COMMS_LOGGER.configure(config.comms_logger)
+        if PINNED.allocations:  # offload pinned host buffers while the state was built: say how much (memlock)
+            PINNED.log_summary("engine built")
         self.reporter = StepReporter(config.steps_per_print, env.rank, self.monitor, self.timers)
         self.tput_timer = ThroughputTimer(config.train_batch_size,
                                           synchronize=torch.cuda.synchronize if env.device.type == "cuda" else None)

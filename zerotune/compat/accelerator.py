@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from zerotune.offload.pinned import track_pinned
+
 __all__ = ["get_accelerator", "set_accelerator", "is_current_accelerator_supported", "Accelerator"]
 
 SUPPORTED = ("cpu", "cuda")
@@ -321,8 +323,9 @@ class Accelerator:
 
     # --- tensors -------------------------------------------------------------------------
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """Page-locked copy with CUDA; the tensor itself on CPU (pinning needs a GPU driver)."""
-        return tensor.pin_memory() if self._cuda else tensor
+        """Page-locked copy with CUDA (counted in ``zerotune.offload.pinned``); the tensor itself on CPU (pinning
+        needs a GPU driver)."""
+        return track_pinned(tensor.pin_memory()) if self._cuda else tensor
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned() if self._cuda else False

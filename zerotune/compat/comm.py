@@ -5,8 +5,9 @@ world, ``src`` / ``dst`` are global ranks, the call returns ``None`` or, with ``
 a handle with ``wait()``. Each call goes through zerotune's one collective layer
 (``zerotune.distributed.comm``), so it is counted in ``comm_stats()`` and a failure names the op
 and the rank. zerotune's own code uses that layer directly (explicit groups, group-local ranks);
-this module is the user-facing face of it. DeepSpeed's profiling arguments (``prof``,
-``log_name``, ``debug``) are accepted and have no effect: use ``comm_stats()``.
+this module is the user-facing face of it. DeepSpeed's per-call profiling arguments (``prof``,
+``log_name``, ``debug``) are accepted and have no effect: the comms log (``comms_logger``, switched by
+``configure`` or the config's ``comms_logger`` block) times ops by name, its ``prof_ops`` or ``prof_all``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from zerotune.distributed.comm import (  # noqa: F401 - re-exported
     reset_comm_stats,
     total_comm_bytes,
 )
+from zerotune.distributed.comm_log import COMMS_LOGGER as comms_logger
 from zerotune.distributed.env import init_distributed  # noqa: F401 - re-exported (DeepSpeed's signature)
 
 _ignored = object()  # default of DeepSpeed's profiling arguments, which do nothing here
@@ -40,7 +42,7 @@ __all__ = [
     "all_gather_into_tensor", "allgather_fn", "reduce_scatter_tensor", "reduce_scatter_fn", "reduce_scatter",
     "reduce", "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv", "isend", "irecv",
     "barrier", "monitored_barrier", "has_all_reduce_coalesced", "has_all_gather_into_tensor",
-    "has_reduce_scatter_tensor", "configure", "log_summary",
+    "has_reduce_scatter_tensor", "configure", "log_summary", "comms_logger",
 ]
 
 
@@ -315,15 +317,30 @@ def has_reduce_scatter_tensor() -> bool:
 
 def configure(deepspeed_config: Any = None, enabled: bool | None = None, prof_all: bool | None = None,
               prof_ops: list[str] | None = None, verbose: bool | None = None, debug: bool | None = None) -> None:
-    """DeepSpeed's comms-logger switch. zerotune always counts every collective (``comm_stats()``),
-    so there is nothing to configure; accepted so DeepSpeed scripts run unchanged."""
+    """DeepSpeed's comms-logger switches (``comms_logger``): the config's block first (a ``DeepSpeedConfig``, a
+    resolved zerotune config or a config dict), then each argument given. Calls and bytes are always counted
+    (``comm_stats()``); these switch on the per-call latency log (``comms_logger``, ``log_summary``)."""
+    if deepspeed_config is not None:
+        config = getattr(deepspeed_config, "config", deepspeed_config)  # DeepSpeedConfig holds the resolved one
+        block = config.get("comms_logger", {}) if isinstance(config, dict) else getattr(config, "comms_logger", None)
+        if block is not None and (block.get("enabled", False) if isinstance(block, dict) else block.enabled):
+            comms_logger.configure(block)  # a disabled block leaves the log as it is, as DeepSpeed's configure
+    for name, value in (("enabled", enabled), ("prof_all", prof_all), ("verbose", verbose), ("debug", debug)):
+        if value is not None:
+            setattr(comms_logger, name, bool(value))
+    if prof_ops is not None:
+        comms_logger.prof_ops = list(prof_ops)
 
 
-def log_summary(show_straggler: bool = False) -> None:
-    """Print the per-op call and byte counts on rank 0 (DeepSpeed's comms-logger summary)."""
-    if get_rank() != 0:
-        return
-    from zerotune.monitor.logging import get_logger
+def log_summary(show_straggler: bool = False, return_dict: bool = False) -> dict | None:
+    """The comms log's table (printed on rank 0; ``return_dict``: its dictionary on every rank) after a barrier,
+    and the per-op call and byte counts on rank 0. ``show_straggler`` all-reduces each record's latencies, so
+    every rank must call it."""
+    barrier()
+    result = comms_logger.log_all(print_log=get_rank() == 0, show_straggler=show_straggler, return_dict=return_dict)
+    if get_rank() == 0:
+        from zerotune.monitor.logging import get_logger
 
-    for op, stats in sorted(comm_stats().items()):
-        get_logger().info("comm %s: %d calls, %d bytes", op, stats.calls, stats.bytes)
+        for op, stats in sorted(comm_stats().items()):
+            get_logger().info("comm %s: %d calls, %d bytes", op, stats.calls, stats.bytes)
+    return result

@@ -43,7 +43,8 @@ _COMM = ("init_distributed", "is_initialized", "is_available", "get_rank", "get_
          "all_gather", "all_gather_into_tensor", "allgather_fn", "reduce_scatter_tensor", "reduce_scatter_fn",
          "reduce_scatter", "reduce", "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv",
          "isend", "irecv", "barrier", "monitored_barrier", "has_all_reduce_coalesced",
-         "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "configure", "log_summary", "ReduceOp")
+         "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "configure", "log_summary", "ReduceOp",
+         "comms_logger")
 _ACCELERATOR = ("get_accelerator", "set_accelerator", "is_current_accelerator_supported")
 _PIPE = ("PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology", "PipeDataParallelTopology",
          "PipeModelDataParallelTopology")
@@ -111,6 +112,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.utils.logging": Mapped("zerotune.compat.ds_logging", (
         "logger", "log_dist", "print_json_dist", "warning_once", "LoggerFactory", "get_current_level",
         "should_log_le", "set_log_level_from_string", "get_log_level_from_string", "log_levels")),
+    # the collective layer's latency log (the process's is deepspeed.comm.comms_logger) and its trimmed mean
+    "deepspeed.utils.comms_logging": Mapped("zerotune.distributed.comm_log", (
+        "CommsLogger", "get_caller_func", "calc_bw_log", "convert_size")),
+    "deepspeed.utils.timer": Mapped("zerotune.monitor.timers", ("trim_mean",)),
     "deepspeed.utils.groups": Mapped("zerotune.compat.groups", (
         "_get_data_parallel_group", "_get_data_parallel_world_size", "_get_data_parallel_rank",
         "_get_model_parallel_group", "_get_model_parallel_world_size", "_get_model_parallel_rank",

@@ -14,6 +14,7 @@ from typing import Any, Callable, ClassVar, Literal, Optional
 
 from pydantic import Field, PrivateAttr, field_validator
 
+from .comms_logger_section import CommsLoggerConfig
 from .curriculum_section import CurriculumLearningConfig, DataEfficiencyConfig
 from .data_types import DataTypesConfig
 from .elasticity import ElasticityConfig
@@ -66,7 +67,6 @@ _NO_EFFECT_TOP: dict[str, NoEffect] = {
     **{block: (_disabled, '{"enabled": false}', "the feature is off") for block in (
         "autotuning", "amp", "eigenvalue",
         "progressive_layer_drop", "hybrid_engine", "nebula", "comet", "torch_autocast")},
-    "comms_logger": (None, "", "every collective is always counted: zerotune.comm.comm_stats() / log_summary()"),
     "timers": (None, "", "the throughput timer always runs (engine.tput_timer)"),
     # keys DeepSpeed itself never reads (its config ignores unknown keys); LLaMA-Factory's shipped
     # examples/deepspeed/ds_z*_config.json set both
@@ -171,6 +171,8 @@ class ZeroTuneConfig(Section):
     """Time forward, backward and step separately and log the breakdown."""
     memory_breakdown: AutoBool = False
     """Log accelerator memory use at each step."""
+    comms_logger: CommsLoggerConfig = Field(default_factory=CommsLoggerConfig)
+    """Time collectives by op and message size (every collective's calls and bytes are counted regardless)."""
     flops_profiler: FlopsProfilerConfig = Field(default_factory=FlopsProfilerConfig)
     """DeepSpeed's flops profiler: one step's forward profiled and printed on rank 0
     (config/flops_profiler_section.py)."""

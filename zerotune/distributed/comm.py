@@ -8,7 +8,8 @@ Two reasons to route everything here:
   full logical tensor: an all-reduce of S bytes counts 2S (it is a reduce-scatter plus an
   all-gather), a reduce-scatter counts its full input S, an all-gather its full output S, a
   reduce or broadcast its tensor S, an all-to-all its input S (what each rank sends). Data parallel then
-  moves 2 x model bytes per step, as do ZeRO stages 1 and 2 (reduce-scatter + all-gather), and stage 3 moves 3x;
+  moves 2 x model bytes per step, as do ZeRO stages 1 and 2 (reduce-scatter + all-gather), and stage 3 moves 3x; while
+  DeepSpeed's comms_logger profiles, a call's latency goes to the comms log too (``comm_timing.py``);
 * failure reporting -- a collective that fails or times out (a dead or diverging rank) is
   re-raised as ``CommError`` naming the op, this rank and the group size, instead of a bare
   gloo/NCCL message from deep inside; one still pending after ``comm_timeout_s`` is reported and
@@ -34,6 +35,7 @@ from typing import Callable, Iterator, TypeVar
 import torch
 import torch.distributed as dist
 
+from zerotune.distributed import comm_timing
 from zerotune.distributed.guard import (
     CollectiveGuard,
     CollectiveMismatch,
@@ -125,12 +127,13 @@ def run_collective(op: str, group: dist.ProcessGroup | None, nbytes: int, launch
     stats.calls += 1
     stats.bytes += nbytes
     token = _begin(scope, op, group, _group_size(group), nbytes, dtype, peer)
+    timed = comm_timing.start(op, nbytes, _group_size(group))  # the comms log's latency, when profiling
     try:
         work = launch()
     except Exception as error:  # noqa: BLE001 - re-raised with context
         WATCHDOG.end(token)
         raise _describe_failure(op, group, error) from error
-    handle = Handle(op, group, work)
+    handle = Handle(op, group, work, on_done=timed)
     if not async_op:
         try:
             handle.wait()

@@ -340,7 +340,7 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 _LAYER_FILES = ("distributed/comm.py", "compat/comm.py", "distributed/guard.py", "distributed/guard_torch.py",
-                "contextlib.py")
+                "distributed/comm_timing.py", "contextlib.py")
 
 
 def call_site() -> str:

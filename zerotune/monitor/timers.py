@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, Sequence
 
 # One shared no-op context: a disabled ``with timers("x")`` allocates nothing.
 _NO_OP = contextlib.nullcontext()
@@ -93,3 +93,19 @@ class WallClockTimers:
     def format(means: dict[str, float]) -> str:
         """Render means as ``"forward: 12.3ms | backward: 20.1ms"`` (in the timers' first-use order)."""
         return " | ".join(f"{name}: {ms:.1f}ms" for name, ms in means.items())
+
+
+def trim_mean(data: Sequence[float], trim_percent: float) -> float:
+    """Mean of ``data`` without its ``trim_percent`` smallest and largest values (rounded count), so one slow
+    outlier (a first collective paying for connection setup) does not dominate a latency report. ``data`` is
+    not reordered: the comms log keeps latencies and bandwidths as parallel lists, index i the i-th call."""
+    if not 0.0 <= trim_percent <= 1.0:
+        raise ValueError(f"trim_mean: trim_percent must be within [0, 1], got {trim_percent}")
+    n = len(data)
+    if n == 0:
+        return 0
+    k = int(round(n * trim_percent))
+    kept = sorted(data)[k:n - k]
+    if not kept:
+        raise ValueError(f"trim_mean: trimming {trim_percent:.0%} from each end of {n} values leaves none")
+    return sum(kept) / len(kept)

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from zerotune.offload.pinned import track_pinned
+
 ALIGNMENT = 4096
 """Bytes; the alignment O_DIRECT needs of addresses, offsets and lengths (a page)."""
 
@@ -41,7 +43,7 @@ def aligned_empty(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
     torch's allocator only promises 64-byte alignment, so we over-allocate by one page and
     slice at the first aligned address; the slice keeps the whole allocation alive.
     """
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory)
+    raw = track_pinned(torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, pin_memory=pin_memory))
     skip = (-raw.data_ptr()) % ALIGNMENT
     return raw[skip : skip + nbytes]
 

@@ -17,6 +17,7 @@ import torch
 
 from zerotune.distributed.streams import host_wait, phase, streams_for
 from zerotune.offload.cpu_step import step_threads
+from zerotune.offload.pinned import track_pinned
 
 ShardWriter = Callable[[int, torch.Tensor], None]
 """``writer(lo, values)``: write ``values`` at offset ``lo`` of the model shard a master rounds into."""
@@ -71,7 +72,7 @@ class MasterPlacement:
         device = self.device or tensor.device
         master = torch.empty(tensor.shape, dtype=torch.float32, device=device,
                              pin_memory=self.pin_memory and device.type == "cpu" and torch.cuda.is_available())
-        return master.copy_(tensor)
+        return track_pinned(master).copy_(tensor)
 
     # ---- checkpoints: one master's values and optimizer state, wherever they live -----------
     def read_master(self, index: int, master: torch.nn.Parameter, optimizer: torch.optim.Optimizer
@@ -127,7 +128,7 @@ class MasterPlacement:
         if not (self.offloaded and self.resident):
             return
         pin = self.pin_memory and torch.cuda.is_available()
-        self._staging = [torch.zeros(m.shape, dtype=torch.float32, device=self.device, pin_memory=pin)
+        self._staging = [track_pinned(torch.zeros(m.shape, dtype=torch.float32, device=self.device, pin_memory=pin))
                          for m in masters]
         self._expected = list(expected)
         self._staged = [0] * len(masters)

@@ -26,6 +26,8 @@ from typing import Iterable
 
 import torch
 
+from zerotune.offload.pinned import track_pinned
+
 
 @dataclass
 class _MovedStorage:
@@ -93,7 +95,7 @@ def move_to_host(tensors: Iterable[torch.Tensor], device: torch.device, *, pin_m
         if moved is None:
             host = next((b for b in spare.values() if b.numel() == nbytes and b.is_pinned() == pin), None)
             if host is None:
-                host = torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin)
+                host = track_pinned(torch.empty(nbytes, dtype=torch.uint8, device="cpu", pin_memory=pin))
             else:
                 del spare[id(host)]
             host.copy_(_bytes_of(storage), non_blocking=non_blocking and pin)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from zerotune.distributed import comm
 from zerotune.distributed.streams import host_wait, phase, streams_for
+from zerotune.offload.pinned import track_pinned
 from zerotune.zero.partition import FlatLayout, flat_layout
 from zerotune.zero.stage3.sharded_param import ParamState, ShardedParam, sharded_param_of
 
@@ -78,7 +79,8 @@ class FlatSegment:
     def _on_local_device(self, shard: torch.Tensor, local_device: torch.device | None) -> torch.Tensor:
         if local_device is None or shard.device == local_device:
             return shard
-        return torch.empty(shard.shape, dtype=shard.dtype, device=local_device, pin_memory=self._pin).copy_(shard)
+        return track_pinned(torch.empty(shard.shape, dtype=shard.dtype, device=local_device,
+                                        pin_memory=self._pin)).copy_(shard)
 
     @torch.no_grad()
     def cast_(self, dtype: torch.dtype) -> None:
