@@ -126,6 +126,15 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "_get_expert_data_parallel_group", "_get_expert_parallel_world_size", "_get_expert_parallel_rank",
         "_get_expert_data_parallel_world_size", "_get_expert_data_parallel_rank", "_get_max_expert_size",
         "_get_max_expert_parallel_group")),
+    # DeepSpeed's monitors over zerotune's scalar writers (monitor/writers.py); Comet refused when built
+    "deepspeed.monitor": Mapped("zerotune.compat.monitor", ()),
+    "deepspeed.monitor.config": Mapped("zerotune.compat.monitor", (
+        "DeepSpeedMonitorConfig", "TensorBoardConfig", "WandbConfig", "CSVConfig", "get_monitor_config")),
+    "deepspeed.monitor.monitor": Mapped("zerotune.compat.monitor", ("Monitor", "MonitorMaster")),
+    "deepspeed.monitor.tensorboard": Mapped("zerotune.compat.monitor", ("TensorBoardMonitor",)),
+    "deepspeed.monitor.wandb": Mapped("zerotune.compat.monitor", ("WandbMonitor",)),
+    "deepspeed.monitor.csv_monitor": Mapped("zerotune.compat.monitor", ("csvMonitor",)),
+    "deepspeed.monitor.comet": Mapped("zerotune.compat.monitor", ("CometMonitor",)),
     "deepspeed.runtime": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine", "DeepSpeedConfig", "zero", "pipe",
                                                             "lr_schedules", "utils")),
     "deepspeed.runtime.engine": Mapped("zerotune.compat.runtime", ("DeepSpeedEngine",)),
@@ -316,6 +325,7 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.runtime.zero.parameter_offload.ensure_zero_ordered_dict": _PARAMETER_DICT,
     "deepspeed.runtime.comm.coalesced_collectives.all_to_all_quant_reduce": ("ZeRO++'s quantized all-to-all "
                                                                              "(qgZ: DeepSpeed's CUDA quantizer)"),
+    "deepspeed.monitor.comet.CometMonitor": "the Comet monitor (zerotune writes tensorboard, csv_monitor and wandb)",
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",
 }

@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from zerotune.compat import lr_schedules, pipe, runtime_utils, zero
 from zerotune.compat.config_utils import get_scalar_param
+from zerotune.compat.monitor import DeepSpeedMonitorConfig
 from zerotune.compat.precision_config import get_bfloat16_config, get_float16_config
 from zerotune.compat.runtime_constants import (
     GRADIENT_CLIPPING,
@@ -92,6 +93,7 @@ class DeepSpeedConfig:
         self.scheduler_name = resolved.scheduler.type if resolved.scheduler else None
         self.scheduler_params = dict(resolved.scheduler.params) if resolved.scheduler else None
         self.activation_checkpointing_config = resolved.activation_checkpointing
+        self.monitor_config = DeepSpeedMonitorConfig(resolved.tensorboard, resolved.wandb, resolved.csv_monitor)
         self.checkpoint_tag_validation_enabled = resolved.checkpoint.tag_validation != "Ignore"
         self.checkpoint_tag_validation_fail = resolved.checkpoint.tag_validation == "Fail"
 
