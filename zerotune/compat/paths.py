@@ -69,6 +69,8 @@ _Z3_LEAF = ("set_z3_leaf_modules", "unset_z3_leaf_modules", "set_z3_leaf_modules
             "set_z3_leaf_modules_by_suffix", "get_z3_leaf_modules", "z3_leaf_module")
 _ELASTICITY = ("compute_elastic_config", "elasticity_enabled", "ensure_immutable_elastic_config")
 _COMPRESSION = "the compression library (deepspeed.compression)"
+_ALST_FLOW = ("DeepSpeed's script-sharded Ulysses flow (attention swapped in transformers' global table, batches "
+              "sharded by the script; zerotune: sequence_parallel_size in the config, the engine shards full batches)")
 _KERNEL_INJECTION = "inference kernel injection (init_inference splits with AutoTP and runs the model's own modules)"
 _CONSTRUCTOR_PATCHING = ("zero.Init's patching of module classes and torch.nn.functional.linear (zerotune's zero.Init "
                          "uses torch's module-registration hooks and stage 3 runs torch's own linear)")
@@ -165,6 +167,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.sequence.layer": Mapped("zerotune.compat.sequence_layer", (
         "DistributedAttention", "_SeqAllToAll", "single_all_to_all", "apply_rotary_pos_emb", "_rotate_half",
         "_torchembed_available")),
+    "deepspeed.runtime.sequence_parallel": Mapped("zerotune.compat.ulysses_sp", ()),
+    "deepspeed.runtime.sequence_parallel.ulysses_sp": Mapped("zerotune.compat.ulysses_sp", (
+        "TiledMLP", "sequence_tiled_compute", "TiledFusedLogitsLoss", "UlyssesSPAttentionHF",
+        "UlyssesSPDataLoaderAdapter")),
     "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (
         "is_compile_supported", "disable", "enable", "is_compiling", "compiled_autograd")),
     "deepspeed.runtime.lr_schedules": Mapped("zerotune.compat.lr_schedules", _LR_SCHEDULES),
@@ -305,6 +311,8 @@ REFUSED_MODULES: dict[str, str] = {
 
 # Names refused when *called* (they live in modules that are otherwise supported).
 REFUSED_NAMES: dict[str, str] = {
+    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": _ALST_FLOW,
+    "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": _ALST_FLOW,
     "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": "DeepSpeed's bf16 optimizer wrapper (zerotune's bf16 masters "
                                                        "live in the engine)",
     "deepspeed.runtime.fp16.fused_optimizer.FP16_Optimizer": "DeepSpeed's fp16 optimizer wrapper (zerotune's mixed "
