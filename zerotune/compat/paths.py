@@ -118,6 +118,11 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.utils.comms_logging": Mapped("zerotune.distributed.comm_log", (
         "CommsLogger", "get_caller_func", "calc_bw_log", "convert_size")),
     "deepspeed.utils.timer": Mapped("zerotune.monitor.timers", ("trim_mean",)),
+    "deepspeed.utils.nvtx": Mapped("zerotune.compat.nvtx", ("instrument_w_nvtx", "enable_nvtx",
+                                                           "DEEPSPEED_NVTX_DOMAIN")),
+    # the pinned host memory zerotune's offload paths allocated (offload/pinned.py)
+    "deepspeed.utils.pin_memory_tracker": Mapped("zerotune.compat.pin_memory_tracker", (
+        "track_pinned_memory", "pinned_memory_summary", "_tracker", "_fmt_bytes")),
     "deepspeed.utils.groups": Mapped("zerotune.compat.groups", (
         "_get_data_parallel_group", "_get_data_parallel_world_size", "_get_data_parallel_rank",
         "_get_model_parallel_group", "_get_model_parallel_world_size", "_get_model_parallel_rank",
@@ -331,8 +336,8 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.runtime.zero.partition_parameters.zero3_linear_wrap": _CONSTRUCTOR_PATCHING,
     "deepspeed.runtime.zero.parameter_offload.ZeROOrderedDict": _PARAMETER_DICT,
     "deepspeed.runtime.zero.parameter_offload.ensure_zero_ordered_dict": _PARAMETER_DICT,
-    "deepspeed.runtime.comm.coalesced_collectives.all_to_all_quant_reduce": ("ZeRO++'s quantized all-to-all "
-                                                                             "(qgZ: DeepSpeed's CUDA quantizer)"),
+    "deepspeed.runtime.comm.coalesced_collectives.all_to_all_quant_reduce": ("the quantized gradient all-to-all "
+                                                                             "(ZeRO++ qgZ: DeepSpeed's CUDA kernels)"),
     "deepspeed.monitor.comet.CometMonitor": "the Comet monitor (zerotune writes tensorboard, csv_monitor and wandb)",
     "deepspeed.DeepSpeedTransformerLayer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.DeepSpeedTransformerConfig": "the fused transformer kernel (DeepSpeedTransformerLayer)",

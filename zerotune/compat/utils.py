@@ -3,15 +3,15 @@ leaf-module marks and the tensor-fragment API (``safe_get_full_grad`` & co., ``t
 
 from __future__ import annotations
 
-import functools
 import random
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 
 from zerotune.compat import ds_logging as logging  # ``deepspeed.utils.logging`` is DeepSpeed's module, not the stdlib's
 from zerotune.compat import groups
 from zerotune.compat.ds_logging import log_dist, logger, set_log_level_from_string
+from zerotune.compat.nvtx import instrument_w_nvtx
 from zerotune.compat.tensor_fragment import __all__ as _FRAGMENT_NAMES
 from zerotune.compat.tensor_fragment import (  # noqa: F401
     safe_get_full_fp32_param,
@@ -68,20 +68,3 @@ def set_random_seed(seed: int) -> None:
     random.seed(seed)
     numpy.random.seed(seed)
     torch.manual_seed(seed)
-
-
-def instrument_w_nvtx(func: Callable) -> Callable:
-    """Wrap ``func`` in an NVTX range named after it (a plain call without CUDA)."""
-    @functools.wraps(func)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if not torch.cuda.is_available():
-            return func(*args, **kwargs)
-        torch.cuda.nvtx.range_push(func.__qualname__)
-        try:
-            return func(*args, **kwargs)
-        finally:
-            torch.cuda.nvtx.range_pop()
-
-    return wrapped
-
-
