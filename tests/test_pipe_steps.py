@@ -170,19 +170,24 @@ def test_the_deepspeed_module_path_is_this_schedule():
 WIDTH, ROWS = 8, 4
 
 
-def _micro_batch(step: int, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _micro_batch(step: int, micro: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(100 * step + micro)
-    return torch.randn(ROWS, WIDTH, generator=generator), torch.randn(ROWS, WIDTH, generator=generator)
+    return torch.randn(rows, WIDTH, generator=generator), torch.randn(rows, WIDTH, generator=generator)
 
 
 def _pipe(stages: int) -> PipelineModule:
     return PipelineModule(pipeline_layers(WIDTH), num_stages=stages, loss_fn=mse, seed_layers=True, base_seed=3)
 
 
-def _run_engine(schedule: str, gas: int, steps: int) -> tuple[list[float], list[list[tuple[str, int]]]]:
+def _engine(schedule: str, gas: int):
     engine, *_ = zerotune.initialize(model=_pipe(2), config={
         "train_micro_batch_size_per_gpu": ROWS, "gradient_accumulation_steps": gas, "pipeline": {"schedule": schedule},
         "optimizer": {"type": "SGD", "params": {"lr": 0.1}}})
+    return engine
+
+
+def _run_engine(schedule: str, gas: int, steps: int) -> tuple[list[float], list[list[tuple[str, int]]]]:
+    engine = _engine(schedule, gas)
     losses, orders = [], []
     for step in range(steps):
         losses.append(engine.train_batch(iter([_micro_batch(step, m) for m in range(gas)])).item())
@@ -191,14 +196,26 @@ def _run_engine(schedule: str, gas: int, steps: int) -> tuple[list[float], list[
     return losses, orders
 
 
-def _reference(gas: int, steps: int) -> list[float]:
+def _rows(micro: int) -> int:
+    return 2 + micro  # a different batch shape for every micro-batch
+
+
+def _run_with_set_dataiterator(gas: int, steps: int) -> list[float]:
+    engine = _engine("1f1b", gas)
+    engine.set_dataiterator(iter([_micro_batch(step, m, _rows(m)) for step in range(steps) for m in range(gas)]))
+    losses = [engine.train_batch().item() for _ in range(steps)]
+    engine.destroy()
+    return losses
+
+
+def _reference(gas: int, steps: int, rows=lambda micro: ROWS) -> list[float]:
     model = _pipe(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for step in range(steps):
         total = 0.0
         for micro in range(gas):
-            x, y = _micro_batch(step, micro)
+            x, y = _micro_batch(step, micro, rows(micro))
             loss = mse(model(x), y)
             (loss / gas).backward()
             total += loss.item()
@@ -216,3 +233,12 @@ def test_the_engine_computes_in_the_schedules_order_and_matches_single_process(s
         assert losses == pytest.approx(expected, rel=1e-5)
         planned = [(a.kind, a.micro_batch) for a in build_schedule(schedule, gas, 2, stage)]
         assert all(order == planned for order in orders)
+
+
+def test_train_batch_reads_set_dataiterators_iterator_and_shapes_may_change_between_micro_batches():
+    """DeepSpeed's ``set_dataiterator``; ``PipelineModule(dynamic_shape=...)`` is accepted, and zerotune's stages
+    send each message's shapes whatever it says (each micro-batch here has its own number of rows)."""
+    assert PipelineModule(pipeline_layers(WIDTH), num_stages=1, dynamic_shape=True).dynamic_shape
+    expected = _reference(3, 2, _rows)
+    for losses in run_distributed(_run_with_set_dataiterator, 2, 3, 2, timeout=180):
+        assert losses == pytest.approx(expected, rel=1e-5)

@@ -23,7 +23,6 @@ from the last stage and averaged over the data-parallel ranks: every rank return
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal
@@ -38,7 +37,7 @@ from zerotune.engine_core import EngineCore
 from zerotune.engine_offload_states import FORWARD_NEEDS
 from zerotune.parallel.activation_checkpointing import checkpoint as activation_checkpoint
 from zerotune.parallel.activation_checkpointing import non_reentrant_checkpoint
-from zerotune.parallel.tensor.state_dict import iter_full_tensors
+from zerotune.pipe.export import save_whole_model
 from zerotune.pipe.instructions import (
     BackwardPass,
     ForwardPass,
@@ -119,6 +118,7 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         # (kind, micro-batch, start, end) of each action's computation in the last train_batch (perf_counter: one
         # clock for all processes of a machine), excluding waits for the neighbours -- the bubble benchmark reads it
         self.timeline: list[tuple[str, int, float, float]] = []
+        self.data_iterator: Iterator | None = None  # set_dataiterator's
 
     def _neighbour(self, which: Literal["previous", "next"]) -> int:
         """The global rank of the previous or next stage (the first / last stage has none)."""
@@ -136,6 +136,11 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
 
     def set_batch_fn(self, fn: Callable) -> None:
         self.batch_fn = fn
+
+    def set_dataiterator(self, iterator: Iterator) -> None:
+        """The iterator ``train_batch()`` / ``eval_batch()`` read when given none (DeepSpeed's; it takes the place
+        of the loader of ``initialize(training_data=...)``). Only the first and last stages read data."""
+        self.data_iterator = iterator
 
     def _reentrant_activation_checkpointing(self) -> bool:
         """DeepSpeed's question: does the stage checkpoint with a function other than ``non_reentrant_checkpoint``
@@ -202,21 +207,8 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         """Rank 0 writes the whole model, every stage's layers (tensor-parallel shards joined), under the
         Hugging Face model's own names when it was split from one. Every rank must call it."""
         comm.guard_point("save_16bit_model", self.global_steps, self.micro_steps)
-        entries = [(key, tensor) for key, tensor in self.pipe.state_dict(keep_vars=True).items()
-                   if not (exclude_frozen_parameters and isinstance(tensor, torch.nn.Parameter)
-                           and not tensor.requires_grad)]
-        names = self.pipe.export_names or {}
-        local: dict[str, torch.Tensor] = {}
-        for (key, live), (_, full) in zip(entries, iter_full_tensors(entries, self.mesh.group("tp"))):
-            for name in names.get(id(live), [key]):
-                local[name] = full.detach().to("cpu", copy=True)
-        if self.mesh.rank("dp_sp") == 0 and self.mesh.rank("tp") == 0:
-            merged: dict[str, torch.Tensor] = {}
-            for part in comm.all_gather_object(local, self.mesh.group("pp")):
-                merged.update(part)
-            if self.global_rank == 0:
-                write_state_dict(merged, Path(save_dir) / save_filename)
-        comm.barrier()
+        save_whole_model(self.pipe, self.mesh, self.global_rank, Path(save_dir) / save_filename,
+                         exclude_frozen_parameters)
         return True
 
     # ---- pieces ----------------------------------------------------------------------------
@@ -255,7 +247,8 @@ class _BatchRun:
 
     def __init__(self, engine: PipelineEngine, data_iter: Iterator | None, micro_batches: int,
                  training: bool = True) -> None:
-        self.engine, self.data_iter, self.micro_batches, self.training = engine, data_iter, micro_batches, training
+        self.engine, self.micro_batches, self.training = engine, micro_batches, training
+        self.data_iter = data_iter if data_iter is not None else engine.data_iterator
         self.inputs: dict[int, tuple] = {}
         self.labels: dict[int, Any] = {}
         self.outputs: dict[int, Any] = {}
@@ -388,16 +381,3 @@ class _BatchRun:
         engine._window_loss = self.mean_loss * self.micro_batches  # the step report divides by GAS
         with engine.timers("step"):
             engine._take_model_step({})
-
-
-def write_state_dict(state: dict[str, torch.Tensor], path: Path) -> None:
-    """``.safetensors`` or ``torch.save`` by the file name, under a temporary name renamed at the end."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_name(f".{path.name}.partial")
-    if path.suffix == ".safetensors":
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in state.items()}, str(temporary), metadata={"format": "pt"})
-    else:
-        torch.save(state, temporary)
-    os.replace(temporary, path)

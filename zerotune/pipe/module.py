@@ -94,8 +94,11 @@ class PipelineModule(nn.Module):
                  loss_fn: Callable | None = None, seed_layers: bool = False, seed_fn: Callable | None = None,
                  base_seed: int = 1234, partition_method: str = "parameters", activation_checkpoint_interval: int = 0,
                  activation_checkpoint_func: Callable = activation_checkpoint,
-                 checkpointable_layers: list[str] | None = None) -> None:
+                 checkpointable_layers: list[str] | None = None, dynamic_shape: bool = False) -> None:
         super().__init__()
+        # DeepSpeed's engine reuses the first micro-batch's shapes unless this is set; zerotune's stages send a
+        # shape header with every message (p2p.py), so shapes may change between micro-batches either way
+        self.dynamic_shape = dynamic_shape
         if topology is not None:
             num_stages = _stages_of_topology(topology, num_stages)
         if not isinstance(num_stages, int) or num_stages < 1:
