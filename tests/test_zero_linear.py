@@ -114,6 +114,28 @@ def test_a_sharded_weight_is_gathered_for_forward_and_backward_on_two_ranks() ->
                           "w_grad": True, "b_grad": True, "still": "NOT_AVAILABLE"}
 
 
+def _weight_being_prefetched() -> dict:
+    """A weight whose gather is in flight (a prefetch) is waited for, and stays gathered for the schedule."""
+    from zerotune.zero.stage3.sharded_param import sharded_param_of
+
+    torch.manual_seed(0)
+    with zerotune.zero.Init():
+        layer = Zero3Linear(6, 5)
+    segment = sharded_param_of(layer.weight).segment
+    segment.start_gather()  # as the schedule's prefetch does
+    statuses = [layer.weight.ds_status.name]
+    out = layer(torch.ones(2, 6))
+    statuses.append(layer.weight.ds_status.name)
+    expected = nn.functional.linear(torch.ones(2, 6), layer.weight, layer.bias)  # (gathered: real values)
+    segment.release()
+    return {"statuses": statuses, "equal": torch.equal(out, expected)}
+
+
+def test_a_weight_being_prefetched_is_waited_for_and_left_gathered_on_two_ranks() -> None:
+    for result in run_distributed(_weight_being_prefetched, 2):
+        assert result == {"statuses": ["INFLIGHT", "AVAILABLE"], "equal": True}
+
+
 class _Net(nn.Module):
     def __init__(self, layer: type[nn.Module]) -> None:
         super().__init__()

@@ -4,7 +4,8 @@ Inside the block every listed parameter that ZeRO-3 partitioned holds its full v
 rank. On exit, with ``modifier_rank`` set, that rank's (possibly modified) values are broadcast
 and written back into every rank's shard -- and into the fp32 masters when training in mixed
 precision -- so a change made there is what training continues from. With ``modifier_rank=None``
-the block is read-only: changes are discarded. Units gathered before the block stay gathered.
+the block is read-only: changes are discarded. Units gathered before the block stay gathered, and so do
+units whose gather was in flight (a prefetch): the block waited for it, and the schedule releases them as planned.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class GatheredParameters:
         self._was_gathered: list[bool] = []
 
     def __enter__(self) -> "GatheredParameters":
-        self._was_gathered = [segment.gathered for segment in self.segments]
+        self._was_gathered = [segment.gathered or segment.in_flight for segment in self.segments]
         for segment in self.segments:
             segment.start_gather()
         for segment in self.segments:
