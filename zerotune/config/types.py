@@ -1,9 +1,9 @@
 """Scalar field types shared by every config section.
 
-DeepSpeed configs are JSON, so pydantic's lax coercions ("5" -> 5, 1 -> True) would
+DeepSpeed configs are JSON, so pydantic's lax coercions ("5" -> 5, "yes" -> True) would
 silently accept typos of type. These types are strict where it matters while still
 accepting the JSON idioms real configs use: ``5e8`` for an integer bucket size, ``1``
-for a float. Every numeric and boolean leaf may also hold HF's ``"auto"`` until
+for a float, ``0`` / ``1`` for a flag. Every numeric and boolean leaf may also hold HF's ``"auto"`` until
 :func:`zerotune.config.resolve_config` replaces it.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Final, Literal, Optional, Union
 
-from pydantic import BeforeValidator, Field, StrictBool, StrictStr
+from pydantic import BeforeValidator, Field, StrictStr
 
 AUTO: Final = "auto"
 Auto = Literal["auto"]
@@ -51,6 +51,17 @@ def _number(value: Any) -> Any:
     return float(value)
 
 
+def _boolean(value: Any) -> Any:
+    """Accept true / false and JSON's 0 / 1 (DeepSpeed reads its flags by truth value, and configs -- DeepSpeed's own
+    tests among them -- write ``"zero_allow_untested_optimizer": 1``); reject other numbers and strings."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise ValueError("expected a boolean: true / false, or 0 / 1")
+
+
+Bool = Annotated[bool, BeforeValidator(_boolean)]
 Int = Annotated[int, BeforeValidator(_integer)]
 NonNegInt = Annotated[int, BeforeValidator(_integer), Field(ge=0)]
 PosInt = Annotated[int, BeforeValidator(_integer), Field(ge=1)]
@@ -69,7 +80,7 @@ AutoPosInt = Union[PosInt, Auto]
 AutoNonNegFloat = Union[NonNegFloat, Auto]
 AutoPosFloat = Union[PosFloat, Auto]
 AutoFraction = Union[Fraction, Auto]
-AutoBool = Union[StrictBool, Auto]
+AutoBool = Union[Bool, Auto]
 OptAutoPosInt = Optional[Union[PosInt, Auto]]
 OffloadDevice = Literal["none", "cpu", "nvme"]
 Str = StrictStr
