@@ -178,3 +178,21 @@ def test_file_helpers_glob_deepspeed_names_in_natural_order(tmp_path: Path) -> N
     assert [Path(f).name for f in get_model_state_files(tmp_path)] == ["zero_pp_rank_2_mp_rank_00_model_states.pt"]
     with pytest.raises(FileNotFoundError, match="_optim_states.pt"):
         get_optim_files(tmp_path / "nowhere")
+
+
+def _pipeline_save(directory: str) -> dict[str, torch.Tensor]:
+    from tests.test_pipeline import _engine, _train
+
+    engine = _engine(2, "1f1b", 0)
+    _train(engine, range(2))
+    engine.save_checkpoint(directory, tag="t")
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}  # this stage's layers
+
+
+def test_pipeline_checkpoint_gives_every_stage_s_layers(tmp_path: Path) -> None:
+    stages = run_distributed(_pipeline_save, 2, str(tmp_path / "pipe"), timeout=180)
+    weights = {**stages[0], **stages[1]}
+    state = get_fp32_state_dict_from_zero_checkpoint(tmp_path / "pipe", exclude_frozen_parameters=True)
+    assert set(state) == set(weights) and set(stages[0]) != set(stages[1])
+    for name, tensor in weights.items():
+        assert torch.equal(state[name], tensor), name

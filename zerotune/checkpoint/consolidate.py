@@ -25,7 +25,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from zerotune.checkpoint.atomic import MANIFEST, CheckpointError, check_tag, resolve_tag, tag_directory
+from zerotune.checkpoint.atomic import (
+    MANIFEST,
+    CheckpointError,
+    check_tag,
+    read_file,
+    resolve_tag,
+    tag_directory,
+)
 from zerotune.checkpoint.deepspeed_format import is_deepspeed_checkpoint, read_deepspeed_checkpoint
 from zerotune.checkpoint.export import ShardWriter, open_checkpoint
 from zerotune.checkpoint.logical import PieceReader
@@ -134,8 +141,29 @@ def _read_owned(reader: PieceReader, name: str) -> torch.Tensor:
     return _owned(reader.full(name))
 
 
+def _stage_metadata(directory: Path, first: dict) -> dict:
+    """The names a checkpoint records (trainable, buffers, tied), over all its module files: a pipeline checkpoint
+    has one per stage (``model_states_stage{s}.pt``), each naming only its own layers."""
+    stages = sorted(directory.glob("model_states_stage*.pt"))
+    if len(stages) < 2:
+        return first
+    merged: dict = {"trainable_names": [], "shared_params": {}, "buffer_names": []}
+    for path in stages:
+        saved = read_file(path, "model states", mmap=True)
+        merged["trainable_names"] += saved.get("trainable_names", [])
+        merged["shared_params"].update(saved.get("shared_params") or {})
+        if "buffer_names" not in saved:
+            merged.pop("buffer_names", None)
+        elif "buffer_names" in merged:
+            merged["buffer_names"] += saved["buffer_names"]
+        if "frozen_fingerprint" in saved:
+            merged["frozen_fingerprint"] = saved["frozen_fingerprint"]
+    return merged
+
+
 def _zerotune(directory: Path, exclude_frozen: bool) -> Consolidation:
-    reader, saved, order = open_checkpoint(directory)
+    reader, first, order = open_checkpoint(directory)
+    saved = _stage_metadata(directory, first)
     shared = dict(saved.get("shared_params") or {})
     owners = [name for name in order if name not in shared]
     if "frozen_fingerprint" in saved and not exclude_frozen:
