@@ -232,3 +232,14 @@ def test_norms_and_overflow_agree_across_two_ranks() -> None:
         assert out["alone"] == (rank == 1)  # no expert parameter, no mpu, no engine: each rank answers for itself
         assert out["zero_reduce_scatter"] and out["world_by_norm"]
     assert results[0]["norm"] == results[1]["norm"]
+
+
+def test_move_to_device_nested_and_in_place():
+    a, b, c = torch.zeros(2), torch.ones(3, dtype=torch.float64), torch.arange(4)
+    moved = ds_utils.move_to_device({"x": [a, (b,)], "y": c}, "cpu")
+    assert isinstance(moved["x"], list) and isinstance(moved["x"][1], tuple)
+    assert torch.equal(moved["x"][1][0], b) and torch.equal(moved["y"], c)
+    kept = ds_utils.move_to_device([a, c], torch.device("cpu"), criterion_func=lambda t: isinstance(t, torch.Tensor))
+    assert kept[0] is a and kept[1] is c  # accepted tensors are moved in place: the same objects come back
+    with pytest.raises(TypeError, match="str"):
+        ds_utils.move_to_device({"x": "text"}, "cpu")

@@ -161,7 +161,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.utils": Mapped("zerotune.compat.runtime_utils", (
         "set_random_seed", "see_memory_usage", "call_to_str", "prefix_sum_inc", "partition_uniform",
         "partition_balanced", "is_model_parallel_parameter", "clip_grad_norm_", "get_weight_norm", "CheckOverflow",
-        "check_internal_apis_for_count_used_parameters", "count_used_parameters_in_backward")),
+        "check_internal_apis_for_count_used_parameters", "count_used_parameters_in_backward", "move_to_device")),
     "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
     # one batched reduce-scatter on zerotune's collective layer; ZeRO++'s quantized all-to-all refused when called
     "deepspeed.runtime.comm": Mapped("zerotune.compat.coalesced_collectives", ()),

@@ -238,3 +238,21 @@ def see_memory_usage(message: str, force: bool = False) -> None:
     accelerator = get_accelerator()
     get_logger().info("%s | allocated %.2f GB | max allocated %.2f GB", message,
                       accelerator.memory_allocated() / 2**30, accelerator.max_memory_allocated() / 2**30)
+
+
+def move_to_device(item: Any, device: Any, criterion_func: Any = None) -> Any:
+    """DeepSpeed's ``move_to_device``: ``item`` (a tensor, or lists / tuples / dicts nesting them) on ``device``.
+    With ``criterion_func``, a tensor it accepts is moved in place (its ``.data`` replaced, the same object
+    returned); the others, and everything without one, are returned as ``.to(device)`` copies."""
+    if criterion_func is not None and criterion_func(item):
+        item.data = item.to(device).data
+        return item
+    if isinstance(item, list):
+        return [move_to_device(v, device, criterion_func) for v in item]
+    if isinstance(item, tuple):
+        return tuple(move_to_device(v, device, criterion_func) for v in item)
+    if isinstance(item, dict):
+        return {k: move_to_device(v, device, criterion_func) for k, v in item.items()}
+    if not isinstance(item, torch.Tensor):
+        raise TypeError(f"move_to_device: expected tensors in lists, tuples and dicts, got a {type(item).__name__}")
+    return item.to(device)
