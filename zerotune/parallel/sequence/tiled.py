@@ -96,8 +96,7 @@ class _TiledMLP(torch.autograd.Function):
     """fn(module, x) applied tile by tile along dimension -2 of ``x``; recomputed per tile in backward."""
 
     @staticmethod
-    def forward(ctx, fn: Callable, module: Any, x: torch.Tensor, shards: int, n_params: int,
-                *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, fn: Callable, module: Any, x: torch.Tensor, shards: int, *params: torch.Tensor) -> torch.Tensor:
         ctx.fn, ctx.module, ctx.pieces = fn, module, sequence_pieces(x.shape[-2], shards)
         ctx.params = params  # the Parameter objects (ZeRO-3 swaps their .data: read them as they are in backward)
         ctx.save_for_backward(x)
@@ -121,7 +120,7 @@ class _TiledMLP(torch.autograd.Function):
                 x_grad.narrow(-2, start, length).copy_(tile_grad)
             _add(param_grads, grads)
             start += length
-        return (None, None, x_grad, None, None, *param_grads)
+        return (None, None, x_grad, None, *param_grads)
 
 
 def tiled_mlp(fn: Callable[[Any, torch.Tensor], torch.Tensor], module: Any, x: torch.Tensor, shards: int,
@@ -130,7 +129,7 @@ def tiled_mlp(fn: Callable[[Any, torch.Tensor], torch.Tensor], module: Any, x: t
     (dimension -2 of ``[batch, seq, hidden]`` or ``[seq, hidden]``); only one tile's activations live at once.
     Parameters: those of ``module`` and ``compute_params``."""
     params = trainable_params([module], compute_params)
-    return _TiledMLP.apply(fn, module, x, shards, len(params), *params)
+    return _TiledMLP.apply(fn, module, x, shards, *params)
 
 
 class _SequenceTiledCompute(torch.autograd.Function):
@@ -138,7 +137,7 @@ class _SequenceTiledCompute(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn: Callable, pieces: list[int], names: list[str], passed: dict, grad_name: str, out_dim: int,
-                reduction: str | None, n_params: int, *tensors: torch.Tensor) -> torch.Tensor:
+                reduction: str | None, *tensors: torch.Tensor) -> torch.Tensor:
         sharded, params = dict(zip(names, tensors[:len(names)], strict=True)), list(tensors[len(names):])
         ctx.fn, ctx.pieces, ctx.passed, ctx.grad_name, ctx.out_dim = fn, pieces, passed, grad_name, out_dim
         ctx.reduction, ctx.params, ctx.names = reduction, params, names
@@ -159,7 +158,7 @@ class _SequenceTiledCompute(torch.autograd.Function):
             scale = 1.0 / math.prod(ctx.joined_shape) if ctx.reduction == "mean" else 1.0
             grad = (grad * scale).expand(ctx.joined_shape)
         target = sharded[ctx.grad_name]
-        wants_input = ctx.needs_input_grad[8 + ctx.names.index(ctx.grad_name)]
+        wants_input = ctx.needs_input_grad[7 + ctx.names.index(ctx.grad_name)]
         input_grad = torch.zeros_like(target) if wants_input else None
         param_grads: list[torch.Tensor | None] = [None] * len(ctx.params)
         start, out_start = 0, 0
@@ -175,7 +174,7 @@ class _SequenceTiledCompute(torch.autograd.Function):
             _add(param_grads, grads)
             start, out_start = start + length, out_start + out_length
         tensor_grads = [input_grad if name == ctx.grad_name else None for name in ctx.names]
-        return (None,) * 8 + (*tensor_grads, *param_grads)
+        return (None,) * 7 + (*tensor_grads, *param_grads)
 
 
 def _tiles(sharded: dict[str, torch.Tensor], pieces: list[int]) -> list[dict[str, torch.Tensor]]:
@@ -205,7 +204,7 @@ def sequence_tiled_compute(fn: Callable[..., torch.Tensor], seqlen: int, shards:
     params = trainable_params(list(kwargs_to_pass.values()), compute_params)
     return _SequenceTiledCompute.apply(fn, sequence_pieces(seqlen, shards), names, dict(kwargs_to_pass),
                                        grad_requiring_tensor_key, output_unshard_dimension, output_reduction,
-                                       len(params), *kwargs_to_shard.values(), *params)
+                                       *kwargs_to_shard.values(), *params)
 
 
 class _TiledFusedLogitsLoss(torch.autograd.Function):
@@ -217,7 +216,7 @@ class _TiledFusedLogitsLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, fn: Callable, module: Any, mask: torch.Tensor | None, shards: int, reduction: str,
-                y: torch.Tensor, x: torch.Tensor, n_params: int, *params: torch.Tensor) -> torch.Tensor:
+                y: torch.Tensor, x: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] * x.shape[1]
         ctx.fn, ctx.module, ctx.reduction, ctx.params = fn, module, reduction, params
         ctx.pieces = sequence_pieces(rows, shards)
@@ -243,7 +242,7 @@ class _TiledFusedLogitsLoss(torch.autograd.Function):
                 x_grads.append(torch.zeros_like(tile) if tile_grad is None else tile_grad)
             _add(param_grads, grads)
         x_grad = torch.cat(x_grads).reshape(x.shape) if wants_x else None
-        return (None,) * 6 + (x_grad, None, *param_grads)
+        return (None,) * 6 + (x_grad, *param_grads)
 
 
 def _loss_tiles(module: Any, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None, pieces: list[int],
@@ -278,4 +277,4 @@ def tiled_fused_logits_loss(fn: Callable[..., torch.Tensor], module: Any, x: tor
     if mask is not None and tuple(mask.shape) != tuple(x.shape[:2]):
         raise ValueError(f"mask must be [batch, seq] = {list(x.shape[:2])}, got {list(mask.shape)}")
     params = trainable_params([module], compute_params)
-    return _TiledFusedLogitsLoss.apply(fn, module, mask, shards, output_reduction, y, x, len(params), *params)
+    return _TiledFusedLogitsLoss.apply(fn, module, mask, shards, output_reduction, y, x, *params)
