@@ -320,14 +320,14 @@ def check_loadable(value: Any, where: str) -> None:
                               "saved (save a module's state_dict(), not the module)")
 
 
-def read_file(path: Path, what: str, mmap: bool = False) -> Any:
+def read_file(path: Path, what: str, mmap: bool = False, map_location: Any = "cpu") -> Any:
     """``torch.load(weights_only=True)``: tensors, numbers, strings and containers only -- a file that
     needs anything else (code, arbitrary classes) is refused with its name. ``mmap``: tensors stay in the
     file until read (a reader touches only the bytes it uses)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint file {path} ({what}) does not exist")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except Exception as error:  # noqa: BLE001 - re-raised with the file name
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"checkpoint file {path} ({what}) was refused or is unreadable: only tensors, "

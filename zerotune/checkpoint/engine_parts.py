@@ -46,13 +46,14 @@ class ErrorFeedbackOptimizer(Protocol):
     def load_error_state_dict(self, state: dict, device: torch.device) -> None: ...
 
 
-def stage_part(train: TrainState) -> str:
-    return "" if train.mesh.size("pp") == 1 else f"_stage{train.mesh.rank('pp')}"
-
-
 def model_file(train: TrainState) -> str:
     """One module file, or one per pipeline stage (each holds its own layers)."""
-    return f"model_states{stage_part(train)}.pt"
+    return model_file_name(train.mesh.rank("pp") if train.mesh.size("pp") > 1 else None)
+
+
+def model_file_name(pipeline_stage: int | None = None) -> str:
+    """The module file's name: ``model_states.pt``, or ``model_states_stage{s}.pt`` for pipeline stage ``s``."""
+    return "model_states.pt" if pipeline_stage is None else f"model_states_stage{pipeline_stage}.pt"
 
 
 def compression_file(rank: int) -> str:

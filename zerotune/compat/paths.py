@@ -163,10 +163,6 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "partition_balanced", "is_model_parallel_parameter", "clip_grad_norm_", "get_weight_norm", "CheckOverflow",
         "check_internal_apis_for_count_used_parameters", "count_used_parameters_in_backward", "move_to_device")),
     "deepspeed.runtime.dataloader": Mapped("zerotune.compat.runtime", ("RepeatingLoader",)),
-    # one batched reduce-scatter on zerotune's collective layer; ZeRO++'s quantized all-to-all refused when called
-    "deepspeed.runtime.comm": Mapped("zerotune.compat.coalesced_collectives", ()),
-    "deepspeed.runtime.comm.coalesced_collectives": Mapped("zerotune.compat.coalesced_collectives", (
-        "reduce_scatter_coalesced", "all_to_all_quant_reduce")),
     # Ulysses: DeepSpeed's layer names and ALST pieces on zerotune.parallel.sequence
     "deepspeed.sequence": Mapped("zerotune.compat.sequence_layer", ()),
     "deepspeed.sequence.layer": Mapped("zerotune.compat.sequence_layer", (
@@ -176,6 +172,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.sequence_parallel.ulysses_sp": Mapped("zerotune.compat.ulysses_sp", (
         "TiledMLP", "sequence_tiled_compute", "TiledFusedLogitsLoss", "UlyssesSPAttentionHF",
         "UlyssesSPDataLoaderAdapter")),
+    # one batched reduce-scatter on zerotune's collective layer; ZeRO++'s quantized all-to-all refused when called
+    "deepspeed.runtime.comm": Mapped("zerotune.compat.coalesced_collectives", ()),
+    "deepspeed.runtime.comm.coalesced_collectives": Mapped("zerotune.compat.coalesced_collectives", (
+        "reduce_scatter_coalesced", "all_to_all_quant_reduce")),
     "deepspeed.runtime.compiler": Mapped("zerotune.compat.compiler", (
         "is_compile_supported", "disable", "enable", "is_compiling", "compiled_autograd")),
     "deepspeed.runtime.lr_schedules": Mapped("zerotune.compat.lr_schedules", _LR_SCHEDULES),
@@ -219,8 +219,25 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.runtime.activation_checkpointing": Mapped("zerotune.compat.checkpointing", _CHECKPOINTING),
     "deepspeed.runtime.activation_checkpointing.checkpointing": Mapped("zerotune.compat.checkpointing",
                                                                         _CHECKPOINTING),
-    "deepspeed.checkpoint": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",)),
-    "deepspeed.checkpoint.utils": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",)),
+    "deepspeed.checkpoint": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",
+                                                                 "UNIVERSAL_CHECKPOINT_INFO")),
+    # the keys and files of DeepSpeed's layout that zerotune reads (checkpoint/deepspeed_format.py)
+    "deepspeed.checkpoint.constants": Mapped("zerotune.compat.checkpoint_constants", (
+        "OPTIMIZER_STATE_DICT", "FP32_FLAT_GROUPS", "BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS",
+        "PARAM_GROUPS", "GROUP_PADDINGS", "PARTITION_COUNT", "ZERO_STAGE", "PARAM_SHAPES", "BUFFER_NAMES",
+        "FROZEN_PARAM_SHAPES", "FROZEN_PARAM_FRAGMENTS", "DS_VERSION", "MODEL_FILE_PREFIX", "ZERO_FILE_PREFIX",
+        "BF16_ZERO_FILE_PREFIX", "OPTIM_FILE_SUFFIX", "MODEL_FILE_SUFFIX", "UNIVERSAL_CHECKPOINT_INFO")),
+    # every zerotune (and DeepSpeed ZeRO 1-3) checkpoint already loads at any layout: the converter checks and copies
+    "deepspeed.checkpoint.ds_to_universal": Mapped("zerotune.compat.ds_to_universal", ("main", "parse_arguments")),
+    "deepspeed.checkpoint.utils": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",
+                                                                       "get_model_ckpt_name_for_rank")),
+    # DeepSpeed's checkpoint-file writer API over zerotune's atomic, verified writes (checkpoint/atomic.py)
+    "deepspeed.runtime.checkpoint_engine": Mapped("zerotune.compat.checkpoint_engine", (
+        "CheckpointEngine", "CheckpointCommitInfo", "TorchCheckpointEngine")),
+    "deepspeed.runtime.checkpoint_engine.checkpoint_engine": Mapped("zerotune.compat.checkpoint_engine", (
+        "CheckpointEngine", "CheckpointCommitInfo")),
+    "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine": Mapped("zerotune.compat.checkpoint_engine", (
+        "TorchCheckpointEngine",)),
     "deepspeed.ops": Mapped("zerotune.compat.ops", ("adam", "lamb", "adagrad", "op_builder", "__compatible_ops__",
                                                     "__installed_ops__")),
     "deepspeed.ops.op_builder": Mapped("zerotune.compat.op_builder", (
@@ -301,6 +318,8 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.moe.experts": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.moe.sharded_moe": "Mixture-of-Experts layers (deepspeed.moe)",
     "deepspeed.ops.sparse_attention": "sparse attention (deepspeed.ops.sparse_attention)",
+    "deepspeed.runtime.sparse_tensor": ("the row-sparse exchange of embedding gradients (SparseTensor; zerotune "
+                                        "reduces them dense: the same values)"),
     "deepspeed.ops.transformer": "the fused transformer kernel (DeepSpeedTransformerLayer)",
     "deepspeed.compression.compress": _COMPRESSION,
     "deepspeed.compression.basic_layer": _COMPRESSION,

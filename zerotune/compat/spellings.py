@@ -16,6 +16,7 @@ import torch
 
 from zerotune.compat.fp16 import LossScaleConfig
 from zerotune.compat.parameter_offload import DeepSpeedZeRoOffload
+from zerotune.compat.paths import DeepSpeedFeatureNotSupported
 from zerotune.engine import Engine
 from zerotune.engine_core import EngineCore, register_engine_extension
 from zerotune.initialize import initialize
@@ -30,6 +31,14 @@ def _initialize(*args: Any, **kwargs: Any) -> tuple[Any, Any, Any, Any]:
 
 def _engine_from_model(model: torch.nn.Module, **kwargs: Any) -> Any:
     return initialize(model=model, **kwargs)[0]
+
+
+def _get_optimizer_ckpt_name(self: EngineCore, checkpoints_path: str, tag: str, expp_rank: int) -> str:
+    """DeepSpeed's engine names an expert-parallel rank's optimizer-state file with this (only for MoE models; other
+    optimizer state is in the ZeRO files). zerotune has no MoE layers, so it is refused by name; a checkpoint's
+    optimizer state is in its ``shard_rank{r}.pt`` files (``checkpoint/logical.py``)."""
+    raise DeepSpeedFeatureNotSupported("engine._get_optimizer_ckpt_name",
+                                       "Mixture-of-Experts layers' expert-parallel optimizer files (deepspeed.moe)")
 
 
 def _attach_parameter_offload(engine: EngineCore) -> None:
@@ -54,7 +63,9 @@ def _attach_zero_optimizer_members(engine: EngineCore) -> None:
     ``isinstance(optimizer, DeepSpeedZeroOptimizer[_Stage3])`` (``pt.py``), ``_global_grad_norm`` (the last
     step's gradient norm) and, at stage 3, ``_get_norm_groups()`` (each param group's gradient norm, read
     between backward and step -- custom clipping through ``safe_set_local_grad`` shows in it); at stages 1 and 2,
-    ``bit16_groups_flat`` (_FlatBuffers)."""
+    ``bit16_groups_flat`` (_FlatBuffers). The rank's fp32 masters, under DeepSpeed's names: at stages 1 and 2
+    ``single_partition_of_fp32_groups`` (one flat fp32 slice per param group), at stage 3
+    ``fp32_partitioned_groups_flat`` (one per sub-group: zerotune's are the (unit, param group) slots)."""
     optimizer: Any = engine.optimizer  # (DeepSpeed's members are added to the torch optimizer)
     stage = engine.zero_optimization_stage()
     if optimizer is None or stage == 0:
@@ -71,6 +82,9 @@ def _attach_zero_optimizer_members(engine: EngineCore) -> None:
         optimizer._get_norm_groups = lambda: [torch.tensor(norm) for norm in state.group_grad_norms()]
     if stage in (1, 2) and hasattr(state, "flat_groups"):
         optimizer.bit16_groups_flat = _FlatBuffers(state)
+    if hasattr(state, "masters"):  # read live: the stage owns the list
+        setattr(optimizer, "fp32_partitioned_groups_flat" if stage == 3 else "single_partition_of_fp32_groups",
+                _Masters(state))
 
 
 class _FlatBuffers(Sequence[torch.Tensor]):
@@ -96,9 +110,29 @@ class _FlatBuffers(Sequence[torch.Tensor]):
         return self._state.flat_groups[index].buffer
 
 
+class _Masters(Sequence[torch.nn.Parameter]):
+    """The stage's fp32 master parameters (this rank's flat slices), read live off the stage."""
+
+    def __init__(self, state: Any) -> None:
+        self._state = state
+
+    def __len__(self) -> int:
+        return len(self._state.masters)
+
+    @overload
+    def __getitem__(self, index: int) -> torch.nn.Parameter: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[torch.nn.Parameter]: ...
+
+    def __getitem__(self, index: int | slice) -> torch.nn.Parameter | Sequence[torch.nn.Parameter]:
+        return self._state.masters[index]
+
+
 def install_spellings() -> None:
     """Idempotent."""
     Engine.initialize = staticmethod(_initialize)  # type: ignore[attr-defined]
+    EngineCore._get_optimizer_ckpt_name = _get_optimizer_ckpt_name  # type: ignore[attr-defined]
     set_model_builder(_engine_from_model)
     register_engine_extension(_attach_parameter_offload)
     register_engine_extension(_attach_loss_scaler)

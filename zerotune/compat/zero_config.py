@@ -56,11 +56,6 @@ class DeepSpeedZeroConfig(ZeroConfig):
                 values[block] = None
         super().__init__(**values)
 
-    @property
-    def pipeline_loading_checkpoint(self) -> bool:
-        """DeepSpeed's pipeline-engine reload switch, which zerotune does not have (the key is refused)."""
-        return False
-
 
 def _stage3_alias(name: str) -> property:
     return property(lambda self: getattr(self, f"stage3_{name}"), doc=f"DeepSpeed's name for stage3_{name}.")

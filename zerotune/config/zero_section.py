@@ -100,7 +100,7 @@ class ZeroConfig(Section):
     }
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
         {
-            "zenflow", "zeropp_loco_param", "legacy_stage1", "pipeline_loading_checkpoint",
+            "zenflow", "zeropp_loco_param", "legacy_stage1",
             "override_module_apply", "log_trace_cache_warnings", "enable_sanity_checks",
             "save_muon_momentum_buffer_in_memory", "stage3_use_all_reduce_for_fetch_params",
             "stage3_allgather_sequential", "stage3_partition_stream_chunk_size",
@@ -118,6 +118,8 @@ class ZeroConfig(Section):
         "round_robin_gradients": "host copies of gradients are issued as each bucket's reduction completes",
         "memory_efficient_linear": "stage 3 keeps only the unit being computed gathered, with torch's own linear",
         "mics_hierarchical_params_gather": "MiCS is not implemented (mics_shard_size must stay -1)",
+        "pipeline_loading_checkpoint": "ranks need not take turns loading to bound host memory: each reads only "
+                                       "its own pieces from memory-mapped files",
     }
 
     @classmethod
@@ -208,6 +210,8 @@ class ZeroConfig(Section):
     """MiCS: gather parameters hierarchically (intra-node then inter-node)."""
     memory_efficient_linear: AutoBool = True
     """Use the memory-efficient linear autograd function in stage 3."""
+    pipeline_loading_checkpoint: AutoBool = False
+    """DeepSpeed's stage-3 checkpoint loading one local rank at a time (to bound host memory while loading)."""
     leaf_module: LeafModuleConfig = Field(default_factory=LeafModuleConfig)
     """ZeRO-3 leaves (gathered whole) by class, name or name suffix; defaults: the HF MoE blocks."""
 
