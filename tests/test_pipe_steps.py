@@ -200,9 +200,13 @@ def _rows(micro: int) -> int:
     return 2 + micro  # a different batch shape for every micro-batch
 
 
-def _run_with_set_dataiterator(gas: int, steps: int) -> list[float]:
+def _run_with_set_dataiterator(gas: int, steps: int, via: str) -> list[float]:
     engine = _engine("1f1b", gas)
-    engine.set_dataiterator(iter([_micro_batch(step, m, _rows(m)) for step in range(steps) for m in range(gas)]))
+    batches = [_micro_batch(step, m, _rows(m)) for step in range(steps) for m in range(gas)]
+    if via == "loader":
+        engine.set_dataloader(batches)
+    else:
+        engine.set_dataiterator(iter(batches))
     losses = [engine.train_batch().item() for _ in range(steps)]
     engine.destroy()
     return losses
@@ -235,10 +239,11 @@ def test_the_engine_computes_in_the_schedules_order_and_matches_single_process(s
         assert all(order == planned for order in orders)
 
 
-def test_train_batch_reads_set_dataiterators_iterator_and_shapes_may_change_between_micro_batches():
-    """DeepSpeed's ``set_dataiterator``; ``PipelineModule(dynamic_shape=...)`` is accepted, and zerotune's stages
-    send each message's shapes whatever it says (each micro-batch here has its own number of rows)."""
+@pytest.mark.parametrize("via", ["iterator", "loader"])
+def test_train_batch_reads_set_dataiterators_iterator_and_shapes_may_change_between_micro_batches(via):
+    """DeepSpeed's ``set_dataiterator`` / ``set_dataloader``; ``PipelineModule(dynamic_shape=...)`` is accepted,
+    and zerotune's stages send each message's shapes whatever it says (each micro-batch here has its own rows)."""
     assert PipelineModule(pipeline_layers(WIDTH), num_stages=1, dynamic_shape=True).dynamic_shape
     expected = _reference(3, 2, _rows)
-    for losses in run_distributed(_run_with_set_dataiterator, 2, 3, 2, timeout=180):
+    for losses in run_distributed(_run_with_set_dataiterator, 2, 3, 2, via, timeout=180):
         assert losses == pytest.approx(expected, rel=1e-5)

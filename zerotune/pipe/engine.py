@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Callable, Iterable, Iterator, Literal
 
 import torch
 import torch.distributed as dist
@@ -141,6 +141,10 @@ class PipelineEngine(EngineCore, metaclass=_BuiltFromAModel):
         """The iterator ``train_batch()`` / ``eval_batch()`` read when given none (DeepSpeed's; it takes the place
         of the loader of ``initialize(training_data=...)``). Only the first and last stages read data."""
         self.data_iterator = iterator
+
+    def set_dataloader(self, loader: Iterable) -> None:
+        """Read ``loader`` (one pass, as DeepSpeed's) in ``train_batch()`` / ``eval_batch()`` given no iterator."""
+        self.set_dataiterator(iter(loader))
 
     def _reentrant_activation_checkpointing(self) -> bool:
         """DeepSpeed's question: does the stage checkpoint with a function other than ``non_reentrant_checkpoint``
