@@ -38,13 +38,13 @@ def test_the_forward_s_autocast_state_is_kept_for_the_backward() -> None:
     x = torch.randn(2, 4, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         out = zero3_linear(x, weight, torch.randn(4))
-    assert out.dtype == torch.bfloat16 and out.grad_fn._fwd_used_autocast and out.grad_fn._dtype == torch.bfloat16
+    assert out.dtype == torch.bfloat16 and out.grad_fn.forward_autocast == ("cpu", True, torch.bfloat16)
     out.float().sum().backward()
     assert weight.grad.dtype == x.grad.dtype == torch.float32  # fp32 leaves get fp32 gradients
 
     weight.grad = x.grad = None
     out = zero3_linear(x, weight)
-    assert out.dtype == torch.float32 and out.grad_fn._fwd_used_autocast is False
+    assert out.dtype == torch.float32 and out.grad_fn.forward_autocast.enabled is False
     with torch.autocast("cpu", dtype=torch.bfloat16):  # an autocast region around backward() does not leak in
         out.sum().backward()
     expected = torch.ones(2, 4).t() @ x.detach()
@@ -76,6 +76,10 @@ def test_module_is_nn_linear_with_this_function() -> None:
 def test_deepspeed_names() -> None:
     out = zero_linear.zero3_linear_wrap(torch.randn(2, 3), torch.randn(4, 3, requires_grad=True))
     assert type(out.grad_fn).__name__ == "LinearFunctionForZeroStage3Backward"  # DeepSpeed's users check this name
+    assert out.grad_fn._fwd_used_autocast is False and out.grad_fn._dtype == torch.get_autocast_dtype("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        half = zero_linear.zero3_linear_wrap(torch.randn(2, 3), torch.randn(4, 3, requires_grad=True))
+    assert half.grad_fn._fwd_used_autocast is True and half.grad_fn._dtype == torch.bfloat16
     layer = zero_linear.LinearModuleForZeroStage3(3, 4).half()
     assert layer(torch.randn(3).half()).dtype == torch.float16
     assert type(layer(torch.randn(3).half()).grad_fn).__name__ == "LinearFunctionForZeroStage3Backward"

@@ -1,7 +1,8 @@
 """``deepspeed.runtime.zero.linear``: DeepSpeed's names for zerotune's explicit ZeRO-3 linear (``zero/linear.py``).
 
-``LinearFunctionForZeroStage3`` is a subclass only for its name: autograd names a result's ``grad_fn``
-after the function class (``LinearFunctionForZeroStage3Backward``), which DeepSpeed's users check.
+``LinearFunctionForZeroStage3`` is a subclass for DeepSpeed's spellings: autograd names a result's ``grad_fn``
+after the function class (``LinearFunctionForZeroStage3Backward``), which DeepSpeed's users check, and the
+forward's autocast state shows on it under DeepSpeed's attribute names too.
 DeepSpeed can also install ``zero3_linear_wrap`` as ``F.linear`` during ``zero.Init``; zerotune never
 does (``partition_parameters.zero3_linear_wrap`` refuses), the functions here are for explicit calls.
 """
@@ -9,6 +10,7 @@ does (``partition_parameters.zero3_linear_wrap`` refuses), the functions here ar
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 
@@ -24,7 +26,13 @@ autocast_custom_bwd = functools.partial(torch.amp.custom_bwd, device_type=get_ac
 
 
 class LinearFunctionForZeroStage3(Zero3LinearFunction):
-    """zerotune's ``Zero3LinearFunction`` under DeepSpeed's name."""
+    """zerotune's ``Zero3LinearFunction`` under DeepSpeed's name; the forward's autocast state also shows under
+    DeepSpeed's names on the result's ``grad_fn`` (``_fwd_used_autocast``, ``_dtype``)."""
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
+        Zero3LinearFunction.setup_context(ctx, inputs, output)
+        ctx._fwd_used_autocast, ctx._dtype = ctx.forward_autocast.enabled, ctx.forward_autocast.dtype
 
 
 def zero3_linear_wrap(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -12,7 +12,7 @@ forward and backward, so every rank takes part). It is also a ``torch.func``-rea
 
 Autocast: the forward runs under whatever autocast state the caller set (``F.linear`` inside casts
 as ``nn.Linear`` would). The backward runs under the *forward's* autocast state, recorded in
-``setup_context`` (``ctx._fwd_used_autocast``, ``ctx._dtype``): an autocast region around
+``setup_context`` (``ctx.forward_autocast``): an autocast region around
 ``backward()`` neither leaks into gradients of an fp32 forward nor is needed for a half one.
 Gradients come back in the inputs' dtypes (autograd casts them), so fp32 master weights get fp32
 gradients.
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 import torch
 
@@ -42,6 +42,14 @@ def _whole(*params: torch.Tensor | None) -> Iterator[None]:
         yield
 
 
+class ForwardAutocast(NamedTuple):
+    """The autocast state the forward ran under, for the backward to run under too."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype
+
+
 class Zero3LinearFunction(torch.autograd.Function):
     """``y = x W^T + b`` (``F.linear``'s math and autocast casts): see the module docstring."""
 
@@ -58,16 +66,16 @@ class Zero3LinearFunction(torch.autograd.Function):
         input, weight = inputs[0], inputs[1]
         bias = inputs[2] if len(inputs) > 2 else None
         device_type = input.device.type
-        ctx._fwd_used_autocast = torch.is_autocast_enabled(device_type)
-        ctx._dtype = torch.get_autocast_dtype(device_type)
-        ctx._device_type = device_type
+        ctx.forward_autocast = ForwardAutocast(device_type, torch.is_autocast_enabled(device_type),
+                                               torch.get_autocast_dtype(device_type))
         ctx.save_for_backward(input, weight, bias)
 
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         input, weight, bias = ctx.saved_tensors
         grad_input = grad_weight = grad_bias = None
-        with torch.autocast(ctx._device_type, dtype=ctx._dtype, enabled=ctx._fwd_used_autocast), _whole(weight):
+        state: ForwardAutocast = ctx.forward_autocast
+        with torch.autocast(state.device_type, dtype=state.dtype, enabled=state.enabled), _whole(weight):
             if ctx.needs_input_grad[0]:
                 grad_input = grad_output.matmul(weight)  # (..., out) @ (out, in) -> (..., in)
             # every leading dimension is a batch one: (N, out) and (N, in), N = their product (1 when unbatched)
