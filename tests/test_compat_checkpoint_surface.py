@@ -146,3 +146,83 @@ def _save_convert_load(stage: int, tmp: str) -> None:
             assert a.numel() > 0 and torch.equal(a, b)
     engine.destroy()
     loaded.destroy()
+
+
+class _CountingSGD(torch.optim.Optimizer):
+    """Plain SGD keeping only per-parameter counters, one a Python int and one a one-element tensor (the state
+    DeepSpeed's HybridStateOptimizer test keeps): no per-element state at all."""
+
+    def __init__(self, params, lr: float = 0.1) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["integer_step"], state["tensor_step"] = 0, torch.zeros(1, device=p.device)
+                p.add_(p.grad, alpha=-group["lr"])
+                state["integer_step"] += 1
+                state["tensor_step"] += 1
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_counter_only_optimizer_state_round_trips(stage: int, tmp_path: Path) -> None:
+    run_distributed(_counters_round_trip, 2, stage, str(tmp_path), timeout=120)
+
+
+def _counters_round_trip(stage: int, tmp: str) -> None:
+    config = {"train_batch_size": 2, "zero_optimization": {"stage": stage, "elastic_checkpoint": True},
+              "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True}
+    engines = []
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = nn.Linear(6, 5)
+        engines.append(zerotune.initialize(model=model, optimizer=_CountingSGD(model.parameters()), config=config)[0])
+    saved, loaded = engines
+    for _ in range(3):
+        saved.backward(saved(torch.randn(1, 6)).float().square().mean())
+        saved.step()
+    saved.save_checkpoint(tmp, tag="t")
+    loaded.load_checkpoint(tmp, tag="t")
+    states = [list(engine.optimizer.state.values()) for engine in engines]
+    assert len(states[0]) == len(states[1]) == 1
+    assert states[1][0]["integer_step"] == states[0][0]["integer_step"] == 3
+    assert torch.equal(states[1][0]["tensor_step"], torch.tensor([3.0]))
+    loaded.backward(loaded(torch.randn(1, 6)).float().square().mean())
+    loaded.step()  # the restored counters keep counting
+    assert states[1][0]["integer_step"] == 4 and torch.equal(states[1][0]["tensor_step"], torch.tensor([4.0]))
+
+
+class _PartlyFrozen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen, self.hidden, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)
+        self.frozen.requires_grad_(False)
+        self.hidden.weight.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.hidden(self.frozen(x)))
+
+    def without_hidden_weight(self, *args, **kwargs) -> dict:
+        """A module's own state_dict that leaves out one frozen parameter (DeepSpeed's custom_state_dict case)."""
+        return {k: v for k, v in nn.Module.state_dict(self, *args, **kwargs).items() if k != "hidden.weight"}
+
+
+def test_exclude_frozen_with_a_custom_state_dict(tmp_path: Path) -> None:
+    run_distributed(_custom_state_dict_saved, 1, str(tmp_path), timeout=120)
+
+
+def _custom_state_dict_saved(tmp: str) -> None:
+    model = _PartlyFrozen()
+    engine = zerotune.initialize(model=model, config={"train_batch_size": 1, "zero_optimization": {"stage": 1},
+                                                      "optimizer": {"type": "Adam"}})[0]
+    model.state_dict = model.without_hidden_weight  # type: ignore[method-assign]
+    engine.save_checkpoint(tmp, tag="t", exclude_frozen_parameters=True)
+    saved = torch.load(get_model_ckpt_name_for_rank(str(Path(tmp) / "t"), "00"), weights_only=True)["module"]
+    assert set(saved) == {"hidden.bias", "head.weight", "head.bias"}  # (the custom dict's trainable entries)
+    engine.load_checkpoint(tmp, tag="t")  # the frozen base it recorded is this model's
+    engine.destroy()

@@ -124,9 +124,12 @@ def frozen_names(train: TrainState) -> list[str]:
 
 def frozen_fingerprint(train: TrainState, module_state: dict) -> dict:
     """Names, shapes, dtypes and one SHA-256 of the frozen parameters' full values: what a checkpoint
-    saved without the frozen base records, so a resume can tell it is the same base."""
+    saved without the frozen base records, so a resume can tell it is the same base. Only the frozen parameters
+    ``module_state`` holds count: a module whose own ``state_dict`` leaves one out never saves it either."""
     digest, shapes = hashlib.sha256(), {}
     for name in frozen_names(train):
+        if name not in module_state:
+            continue
         tensor = module_state[name].detach().contiguous().cpu()
         shapes[name] = [list(tensor.shape), str(tensor.dtype)]
         digest.update(f"{name}:{tuple(tensor.shape)}:{tensor.dtype};".encode())

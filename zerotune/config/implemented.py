@@ -21,7 +21,6 @@ _RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("zero_optimization.zero_quantized_gradients", bool, "false"),
     ("zero_optimization.zero_hpz_partition_size", lambda v: v > 1, "1"),
     ("zero_optimization.mics_shard_size", lambda v: v > 0, "-1"),
-    ("zero_optimization.elastic_checkpoint", bool, "false"),
     ("activation_checkpointing.partition_activations", bool, "false"),
     ("checkpoint.use_node_local_storage", bool, "false"),
     ("aio.use_gds", bool, "false"),

@@ -118,6 +118,8 @@ class ZeroConfig(Section):
         "round_robin_gradients": "host copies of gradients are issued as each bucket's reduction completes",
         "memory_efficient_linear": "stage 3 keeps only the unit being computed gathered, with torch's own linear",
         "mics_hierarchical_params_gather": "MiCS is not implemented (mics_shard_size must stay -1)",
+        "elastic_checkpoint": "every checkpoint loads at another data-parallel size (state is saved by parameter "
+                              "name, not by rank partition)",
         "pipeline_loading_checkpoint": "ranks need not take turns loading to bound host memory: each reads only "
                                        "its own pieces from memory-mapped files",
     }
@@ -170,7 +172,7 @@ class ZeroConfig(Section):
     load_from_fp32_weights: AutoBool = True
     """Initialise fp32 master weights from the fp32 copies in a checkpoint rather than the 16-bit model."""
     elastic_checkpoint: AutoBool = False
-    """Legacy elastic checkpoints that reload on a different data-parallel size."""
+    """Legacy elastic checkpoints that reload on a different data-parallel size (zerotune's always do)."""
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
     """Parameter offload (stage 3 only)."""
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)

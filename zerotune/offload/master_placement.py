@@ -172,8 +172,10 @@ def _placed(value: object, param: torch.nn.Parameter, optimizer: torch.optim.Opt
     scalar ``step`` on the host unless the group is fused or capturable (torch's own convention)."""
     if not isinstance(value, torch.Tensor):
         return value
-    if value.dim() > 0:
+    if value.dim() > 0 and value.numel() == param.numel():
         return value.reshape(param.shape).to(param.device)
+    if value.dim() > 0:  # a per-group counter kept as a one-element tensor (held.py saves it with the scalars)
+        return value.to(param.device, copy=True)
     group = next((g for g in optimizer.param_groups if any(p is param for p in g["params"])), {})
     on_device = group.get("fused") or group.get("capturable")
     return value.to(param.device if on_device else "cpu", copy=True)  # its own: optimizers count steps in place

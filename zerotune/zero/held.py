@@ -84,7 +84,9 @@ class HeldStateDict(ZeroStage):
             values, optimizer_state = self._placement.read_master(index, master, optimizer)
             per_element = {}
             for key, value in optimizer_state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                # a one-element tensor beside a larger shard is a per-group counter (a step kept as a tensor), saved
+                # with the scalars: it is not cut into pieces
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and (value.numel() != 1 or values.numel() == 1):
                     if value.numel() != values.numel():
                         raise ValueError(f"optimizer state '{key}' has {value.numel()} elements for a parameter shard "
                                          f"of {values.numel()}: only per-element optimizer state (Adam, SGD, Adagrad, "
@@ -134,7 +136,7 @@ class HeldStateDict(ZeroStage):
                     taken[piece.param_offset:piece.param_offset + piece.length]
             first = names[id(pieces[0].param)]
             keys = source.optimizer_keys(first)
-            optimizer_state = dict(source.scalars.get(first, {})) if keys else {}
+            optimizer_state = dict(source.scalars.get(first, {}))  # (even without per-element state: counters)
             for key in keys:
                 tensor = torch.zeros_like(values)
                 for piece in pieces:
