@@ -2,7 +2,9 @@
 model-parallel rank's module state, in either layout), ``checkpoint.constants`` (the DeepSpeed keys and files zerotune
 reads, checked against checkpoints real DeepSpeed wrote), ``ds_to_universal`` (check, then publish a copy that loads
 at another layout), ``TorchCheckpointEngine`` (atomic writes, ``weights_only`` loads), the ZeRO optimizer's fp32
-master names, ``engine._get_optimizer_ckpt_name`` refused (MoE files) and ``pipeline_loading_checkpoint``."""
+master names and base ``optimizer.optimizer``, ``engine._get_optimizer_ckpt_name`` refused (MoE files),
+``pipeline_loading_checkpoint``, counter-only optimizer state and a custom ``state_dict`` with frozen weights left
+out."""
 
 from __future__ import annotations
 
@@ -131,6 +133,7 @@ def _save_convert_load(stage: int, tmp: str) -> None:
     masters = getattr(engine.optimizer, name)
     assert len(masters) >= 1 and all(m.dtype == torch.float32 for m in masters)
     assert len(masters) == len(engine.state.masters) and masters[0] is engine.state.masters[0]
+    assert engine.optimizer.optimizer is engine.optimizer  # DeepSpeed's base optimizer: zerotune's is not wrapped
     with pytest.raises(DeepSpeedFeatureNotSupported, match="Mixture-of-Experts"):
         engine._get_optimizer_ckpt_name(tmp, "t", 0)
     engine.save_checkpoint(tmp, tag="t")

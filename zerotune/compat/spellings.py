@@ -58,6 +58,15 @@ def _attach_loss_scaler(engine: EngineCore) -> None:
         engine.optimizer.loss_scale_config = LossScaleConfig(engine.loss_scaler)  # type: ignore[attr-defined]
 
 
+def _attach_base_optimizer(engine: EngineCore) -> None:
+    """DeepSpeed's ZeRO and fp16 / bf16 optimizers wrap a torch optimizer over the fp32 master weights and expose it
+    as ``optimizer.optimizer`` (clients and DeepSpeed's tests read its ``state``). zerotune does not wrap: what
+    ``initialize`` returns already is that torch optimizer over the masters, so the attribute names the same object.
+    Set only where DeepSpeed wraps (ZeRO stage >= 1 or mixed precision): its plain fp32 optimizer has none."""
+    if engine.optimizer is not None and (engine.zero_optimization_stage() > 0 or engine.policy.mixed):
+        engine.optimizer.optimizer = engine.optimizer  # type: ignore[attr-defined]
+
+
 def _attach_zero_optimizer_members(engine: EngineCore) -> None:
     """What DeepSpeed's ZeRO optimizers answer, on the optimizer a ZeRO engine returned: the stage mark behind
     ``isinstance(optimizer, DeepSpeedZeroOptimizer[_Stage3])`` (``pt.py``), ``_global_grad_norm`` (the last
@@ -137,6 +146,7 @@ def install_spellings() -> None:
     register_engine_extension(_attach_parameter_offload)
     register_engine_extension(_attach_loss_scaler)
     register_engine_extension(_attach_zero_optimizer_members)
+    register_engine_extension(_attach_base_optimizer)
 
 
 __all__ = ["install_spellings"]
