@@ -229,3 +229,14 @@ def _custom_state_dict_saved(tmp: str) -> None:
     assert set(saved) == {"hidden.bias", "head.weight", "head.bias"}  # (the custom dict's trainable entries)
     engine.load_checkpoint(tmp, tag="t")  # the frozen base it recorded is this model's
     engine.destroy()
+
+
+def test_zero3_elastic_checkpoint_warns_as_deepspeed(monkeypatch: pytest.MonkeyPatch) -> None:
+    from zerotune.monitor.logging import get_logger
+
+    messages: list[str] = []
+    monkeypatch.setattr(get_logger(), "warning", lambda message, *args, **kwargs: messages.append(message))
+    DeepSpeedZeroConfig(stage=2, elastic_checkpoint=True)
+    assert messages == []
+    DeepSpeedZeroConfig(stage=3, elastic_checkpoint=True)
+    assert len(messages) == 1 and "elastic checkpointing is deprecated" in messages[0] and "no effect" in messages[0]

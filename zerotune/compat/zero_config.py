@@ -20,6 +20,7 @@ from zerotune.config.leaf_module_section import (
 )
 from zerotune.config.loading import load_config
 from zerotune.config.zero_section import OffloadOptimizerConfig, OffloadParamConfig, ZeroConfig
+from zerotune.monitor.logging import get_logger
 
 __all__ = ["DeepSpeedZeroConfig", "DeepSpeedZeroOffloadParamConfig", "DeepSpeedZeroOffloadOptimizerConfig",
            "ZeroStageEnum", "DeepSpeedZeroLeafModuleConfig", "DEFAULT_LEAF_MODULE_CLASSES", "DEFAULT_LEAF_MODULE_NAMES",
@@ -55,6 +56,10 @@ class DeepSpeedZeroConfig(ZeroConfig):
             if not any(fields.get(key) not in (None, False) for key in keys):
                 values[block] = None
         super().__init__(**values)
+        if self.stage == 3 and self.elastic_checkpoint is True:  # DeepSpeed's section warns here, as this one does
+            get_logger().warning("zero_optimization.elastic_checkpoint: ZeRO-3 elastic checkpointing is deprecated in "
+                                 "DeepSpeed (universal checkpointing replaced it); it has no effect here: every "
+                                 "zerotune checkpoint loads at another data-parallel size")
 
 
 def _stage3_alias(name: str) -> property:
