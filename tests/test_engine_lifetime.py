@@ -94,3 +94,36 @@ def test_a_model_kept_after_its_engine_is_dropped_has_no_zerotune_hooks_left(sta
     config_keys = {"zero_optimization": {"stage": stage}}
     for outcome in run_distributed(_engine_lifetime, 2, "mlp", config_keys, True, timeout=120):
         assert outcome == {"engine alive": False, "parameter alive": True, "parameters with hooks": 0}, outcome
+
+
+def _losses(engine, steps: range) -> list[float]:
+    losses = []
+    for step in steps:
+        dp_rank, dp_world = engine.mesh.rank("dp"), engine.mesh.size("dp")
+        loss = loss_of(engine, rank_slice(mlp_batch(step, 0, 4), dp_rank, dp_world))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _second_engine_on_a_wrapped_model(stage: int) -> dict:
+    """An engine built on a model another, still-alive engine wraps trains as one built on a fresh copy."""
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": ADAMW, "zero_optimization": {"stage": stage}}
+    model = make_mlp()
+    first, *_ = zerotune.initialize(model=model, model_parameters=model.parameters(), config=config)
+    _losses(first, range(2))
+    weights = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    second, *_ = zerotune.initialize(model=model, model_parameters=model.parameters(), config=config)
+    fresh_model = make_mlp()
+    fresh_model.load_state_dict(weights)
+    fresh, *_ = zerotune.initialize(model=fresh_model, model_parameters=fresh_model.parameters(), config=config)
+    outcome = {"second": _losses(second, range(2, 5)), "fresh": _losses(fresh, range(2, 5))}
+    del first  # alive until here: its hooks stayed on the parameters while the second engine trained
+    return outcome
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_a_second_engine_on_a_model_a_live_engine_wraps_owns_its_gradients(stage):
+    for outcome in run_distributed(_second_engine_on_a_wrapped_model, 2, stage, timeout=120):
+        assert outcome["second"] == outcome["fresh"], outcome
