@@ -323,8 +323,7 @@ class Accelerator:
 
     # --- tensors -------------------------------------------------------------------------
     def pin_memory(self, tensor: torch.Tensor, align_bytes: int = 1) -> torch.Tensor:
-        """Page-locked copy with CUDA (counted in ``zerotune.offload.pinned``); the tensor itself on CPU (pinning
-        needs a GPU driver)."""
+        """Page-locked (and counted, ``offload/pinned.py``) copy with CUDA; on CPU the tensor itself."""
         return track_pinned(tensor.pin_memory()) if self._cuda else tensor
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
