@@ -286,6 +286,12 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
                                          ("DeepSpeedInferenceConfig", "DeepSpeedTPConfig")),
     "deepspeed.module_inject": Mapped("zerotune.compat.module_inject", ("AutoTP", *_MODULE_INJECT_REFUSED)),
     "deepspeed.module_inject.auto_tp": Mapped("zerotune.compat.module_inject", ("AutoTP",)),
+    # DeepSpeed's partition-config objects and HF tp_plan converter over zerotune's LayerRules (parallel/tensor)
+    "deepspeed.module_inject.autotp_config": Mapped("zerotune.compat.autotp_config", (
+        "AutoTPConfig", "PartitionType", "TPLayerSpec")),
+    "deepspeed.module_inject.tp_plan_converter": Mapped("zerotune.compat.tp_plan_converter", ("TPPlanConverter",)),
+    "deepspeed.runtime.tensor_parallel": Mapped("zerotune.compat.tensor_parallel_config", ()),
+    "deepspeed.runtime.tensor_parallel.config": Mapped("zerotune.compat.tensor_parallel_config", ("_get_hf_tp_plan",)),
     # the dotted-path helpers DeepSpeed-Chat's LoRA imports; the compression library itself refused
     "deepspeed.compression": Mapped("zerotune.compat.compression", ("init_compression", "redundancy_clean")),
     "deepspeed.compression.helper": Mapped("zerotune.compat.compression", ("recursive_getattr", "recursive_setattr")),

@@ -218,6 +218,8 @@ class TensorParallelLayerSpec(Section):
     """column: split the output features; row: split the input features; skip: leave replicated."""
     parts: AutoPosInt = 1
     """(zerotune) fused sub-blocks along the output features split separately, e.g. 3 for a fused q|k|v."""
+    gather_output: AutoBool = False
+    """column: all-gather the split output, so the next module sees all of it (e.g. an LM head read by the loss)."""
 
     @field_validator("patterns")
     @classmethod
@@ -247,13 +249,19 @@ class TensorParallelConfig(Section):
     """``tensor_parallel``: automatic tensor parallelism for training (DeepSpeed AutoTP)."""
 
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset(
-        {"tp", "tp_overlap_comm", "dtype", "injection_policy_tuple", "keep_module_on_host"}
+        {"tp", "dtype", "injection_policy_tuple", "keep_module_on_host"}
     )
+    NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {
+        "tp_overlap_comm": "zerotune's tensor-parallel all-reduces are not overlapped with the matmuls (the same "
+                           "results, without the overlap)",
+    }
 
     autotp_size: AutoNonNegInt = 0
     """Tensor-parallel degree; 0 or 1 disables tensor parallelism."""
     partition_config: TensorParallelPartitionConfig = Field(default_factory=TensorParallelPartitionConfig)
     """Which layers are split and how (default: the built-in plan of GPT-2, Llama, Mistral, Qwen2 or BERT)."""
+    tp_overlap_comm: AutoBool = False
+    """(DeepSpeed) overlap the column-parallel backward all-reduce with compute; no effect in zerotune."""
 
 
 class MonitorConfig(Section):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zerotune.parallel.tensor.cross_entropy import vocab_parallel_causal_lm_loss
+from zerotune.parallel.tensor.hf_plan import hf_tp_plan, rules_from_hf_plan, unsupported_styles
 from zerotune.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from zerotune.parallel.tensor.layout import mark_tensor_parallel, tp_layout_of
 from zerotune.parallel.tensor.plans import PLANS, ArchitecturePlan, LayerRule
@@ -49,20 +50,30 @@ def _is_causal_lm(model: nn.Module) -> bool:
 
 
 def _plan_for(model: nn.Module, tp: int, user_rules: tuple[LayerRule, ...], use_default: bool
-              ) -> tuple[tuple[LayerRule, ...], ArchitecturePlan | None]:
+              ) -> tuple[tuple[LayerRule, ...], ArchitecturePlan | None, bool]:
+    """The rules to apply, the built-in plan (if any) and whether the rules are the model's own HF plan.
+
+    Precedence: the user's rules (followed by the built-in plan unless ``use_default_specs`` is off), else the
+    built-in plan, else the model's own Hugging Face plan (``hf_plan.py``)."""
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
     plan = PLANS.get(model_type) if use_default and model_type is not None else None
     if plan is None and not user_rules:
+        hf_plan = hf_tp_plan(model)
+        hf_rules = rules_from_hf_plan(hf_plan) if hf_plan else None
+        if hf_rules:
+            return hf_rules, None, True
+        unusable = (f"; its own Hugging Face plan has style(s) zerotune's layers cannot run: "
+                    f"{unsupported_styles(hf_plan)}" if hf_plan else "")
         raise TensorParallelPlanError(
             f"tensor_parallel.autotp_size={tp}: no built-in tensor-parallel plan for {type(model).__name__} "
-            f"(model_type {model_type!r}); built-in plans: {', '.join(sorted(PLANS))}. Give your own rules in "
-            "tensor_parallel.partition_config.layer_specs, e.g. "
+            f"(model_type {model_type!r}){unusable}; built-in plans: {', '.join(sorted(PLANS))}. Give your own "
+            "rules in tensor_parallel.partition_config.layer_specs, e.g. "
             '[{"patterns": [".*\\\\.q_proj\\\\.weight"], "partition_type": "column"}, ...]')
     rules = user_rules + (plan.rules if plan else ())
     if not _is_causal_lm(model):  # no loss_function to swap: keep vocabulary layers whole
         rules = tuple(r for r in rules if not r.vocab)
-    return rules, plan
+    return rules, plan, False
 
 
 def _check_heads(model: nn.Module, plan: ArchitecturePlan | None, tp: int) -> None:
@@ -95,8 +106,15 @@ def _build(name: str, module: nn.Module, rule: LayerRule, full: dict[int, torch.
         return VocabParallelEmbedding.from_full(weight, group, padding_idx=module.padding_idx), "vocab"
     if isinstance(module, nn.Linear) or _is_conv1d(module):
         layout = "in_out" if _is_conv1d(module) else "out_in"
+        if rule.partition_type == "column" and rule.gather_output and rule.parts == 1 and (
+                weight.shape[0 if layout == "out_in" else 1] % dist.get_world_size(group)):
+            # A gathered output that does not divide: split the input features instead (each rank sums its part
+            # of every output), the same full output on every rank -- DeepSpeed's LmHeadLinearAllreduce.
+            return RowParallelLinear.from_full(weight, bias, group, weight_layout=layout,
+                                               input_is_parallel=False), "row"
         if rule.partition_type == "column":
-            layer = ColumnParallelLinear.from_full(weight, bias, group, weight_layout=layout, parts=rule.parts)
+            layer = ColumnParallelLinear.from_full(weight, bias, group, weight_layout=layout, parts=rule.parts,
+                                                   gather_output=rule.gather_output)
             return layer, "vocab" if rule.vocab else "column"
         if rule.parts != 1:
             raise TensorParallelPlanError(f"tensor parallelism: '{name}': parts={rule.parts} applies to column "
@@ -126,7 +144,7 @@ def layers_to_split(model: nn.Module, tp: int, *, layer_specs: tuple[LayerRule, 
                                                             ArchitecturePlan | None]:
     """The ``(name, module, rule)`` of every layer ``apply_autotp`` splits over ``tp`` ranks (model order), and
     the architecture plan; ``zerotune plan`` reads the split from here without a process group."""
-    rules, plan = _plan_for(model, tp, tuple(layer_specs), use_default_specs)
+    rules, plan, from_hf_plan = _plan_for(model, tp, tuple(layer_specs), use_default_specs)
     _check_heads(model, plan, tp)
     chosen: list[tuple[str, nn.Module, LayerRule]] = []
     for name, module in model.named_modules():
@@ -134,7 +152,9 @@ def layers_to_split(model: nn.Module, tp: int, *, layer_specs: tuple[LayerRule, 
             rule = _rule_for(f"{name}.weight", rules)
             if rule is not None and rule.partition_type != "skip":
                 chosen.append((name, module, rule))
-    if not chosen:
+    if from_hf_plan:  # the model's plan names an LM head that is tied to the (unnamed) embedding: keep both whole
+        chosen = untied_layers(model, chosen)
+    if not chosen and not layer_specs:  # (the user's own rules may match nothing: the model stays whole)
         raise TensorParallelPlanError(
             f"tensor parallelism: no layer of {type(model).__name__} matched the tensor-parallel rules "
             f"{[list(r.patterns) for r in rules]}; check the patterns against model.named_parameters()")
@@ -177,6 +197,15 @@ def apply_autotp(model: nn.Module, group: dist.ProcessGroup, *, layer_specs: tup
         lm: Any = model  # (a transformers causal LM: nn.Module does not declare its loss_function)
         lm.loss_function = vocab_parallel_causal_lm_loss(group)
     return sharded
+
+
+def untied_layers(model: nn.Module, chosen: list[tuple[str, nn.Module, LayerRule]]
+                  ) -> list[tuple[str, nn.Module, LayerRule]]:
+    """``chosen`` less the layers whose weight another module shares without being chosen itself (replicated)."""
+    names = {name for name, _, _ in chosen}
+    shared = {id(module.weight) for name, module in model.named_modules()
+              if name not in names and isinstance(getattr(module, "weight", None), nn.Parameter)}
+    return [(name, module, rule) for name, module, rule in chosen if id(module.weight) not in shared]
 
 
 def _check_ties(model: nn.Module, chosen: list[tuple[str, nn.Module, LayerRule]]) -> None:

@@ -29,6 +29,7 @@ class LayerRule:
     partition_type: str  # "column" | "row" | "skip"
     parts: int = 1  # fused sub-blocks along the output features (GPT-2's c_attn: q|k|v)
     vocab: bool = False  # an embedding / LM head over the vocabulary (needs the vocab-parallel loss)
+    gather_output: bool = False  # column: all-gather the output, so what follows sees all of it (a gathered LM head)
 
     def matches(self, weight_name: str) -> bool:
         return any(re.fullmatch(pattern, weight_name) for pattern in self.patterns)
@@ -96,5 +97,6 @@ def rules_from_config(layer_specs: list) -> tuple[LayerRule, ...]:
     for spec in layer_specs:
         get: Callable[..., Any] = (spec.get if isinstance(spec, dict)
                                    else lambda key, default=None, s=spec: getattr(s, key, default))
-        rules.append(LayerRule(tuple(get("patterns")), get("partition_type"), int(get("parts", 1) or 1)))
+        rules.append(LayerRule(tuple(get("patterns")), get("partition_type"), int(get("parts", 1) or 1),
+                               gather_output=bool(get("gather_output", False))))
     return tuple(rules)
