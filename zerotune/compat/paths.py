@@ -226,7 +226,10 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "OPTIMIZER_STATE_DICT", "FP32_FLAT_GROUPS", "BASE_OPTIMIZER_STATE", "SINGLE_PARTITION_OF_FP32_GROUPS",
         "PARAM_GROUPS", "GROUP_PADDINGS", "PARTITION_COUNT", "ZERO_STAGE", "PARAM_SHAPES", "BUFFER_NAMES",
         "FROZEN_PARAM_SHAPES", "FROZEN_PARAM_FRAGMENTS", "DS_VERSION", "MODEL_FILE_PREFIX", "ZERO_FILE_PREFIX",
-        "BF16_ZERO_FILE_PREFIX", "OPTIM_FILE_SUFFIX", "MODEL_FILE_SUFFIX", "UNIVERSAL_CHECKPOINT_INFO")),
+        "BF16_ZERO_FILE_PREFIX", "OPTIM_FILE_SUFFIX", "MODEL_FILE_SUFFIX", "UNIVERSAL_CHECKPOINT_INFO",
+        "UNIVERSAL_CHECKPOINT_VERSION_KEY", "UNIVERSAL_CHECKPOINT_VERSION_VALUE", "ORIGINAL_VOCAB_SIZE",
+        "VOCABULARY_PARAMETER_PATTERNS", "PARAMETER_WITH_ROW_PARALLELISM_PATTERNS", "TP_REPLICATED_PARAMETER_PATTERNS",
+        "PARAMETER_WITH_SUB_PARAMS")),
     # every zerotune (and DeepSpeed ZeRO 1-3) checkpoint already loads at any layout: the converter checks and copies
     "deepspeed.checkpoint.ds_to_universal": Mapped("zerotune.compat.ds_to_universal", ("main", "parse_arguments")),
     "deepspeed.checkpoint.utils": Mapped("zerotune.compat.checkpoint", ("clone_tensors_for_torch_save",
