@@ -11,8 +11,9 @@ What a spec may say that zerotune's layers can run: column / row / skip, an all-
 ``((s, s, s), -1)`` at ``partition_dim`` 0: zerotune's ``parts``) and ``model_types``. Unequal sub-parameter
 sizes (a GQA q|k|v), a split after a reshape to more than two dims (MoE experts) or along another dim than the
 partition type's own are layouts zerotune's ``TPLayout`` cannot record: ``layer_rules`` refuses them naming
-the spec. ``lm_head_patterns``, ``embedding_partition_dim`` and ``strict_mode`` are accepted (DeepSpeed's
-AutoTP reads only ``strict_mode``, to fail on unmatched linears); zerotune's rules never consult them.
+the spec. ``strict_mode`` (fail on a linear no spec matches) and ``lm_head_patterns`` (the layer names split by
+input features when a gathered output does not divide) are read by the ``AutoTP`` class (``auto_tp.py``);
+``embedding_partition_dim`` has no effect (DeepSpeed's AutoTP does not read it either).
 
 DeepSpeed matches a pattern with ``re.match`` (anchored at the start only); zerotune's rules match in full,
 so a pattern becomes ``(?:pattern).*`` on the way over: the same names match on both sides.
