@@ -15,8 +15,8 @@ the spec. ``strict_mode`` (fail on a linear no spec matches) and ``lm_head_patte
 input features when a gathered output does not divide) are read by the ``AutoTP`` class (``auto_tp.py``);
 ``embedding_partition_dim`` has no effect (DeepSpeed's AutoTP does not read it either).
 
-DeepSpeed matches a pattern with ``re.match`` (anchored at the start only); zerotune's rules match in full,
-so a pattern becomes ``(?:pattern).*`` on the way over: the same names match on both sides.
+DeepSpeed matches a pattern with ``re.match`` (anchored at the start only), as does zerotune's
+``partition_config`` (``plans.from_start``): the same names match on both sides.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional, Union
 
-from zerotune.parallel.tensor.plans import LayerRule
+from zerotune.parallel.tensor.plans import LayerRule, from_start
 
 Shape = tuple[Union[int, tuple[int, ...]], ...]
 
@@ -179,7 +179,7 @@ def layer_rules(config: AutoTPConfig, model_type: Optional[str] = None) -> tuple
         if spec.model_types and (model_type is None or str(model_type).lower()
                                  not in {str(t).lower() for t in spec.model_types}):
             continue
-        rules.append(LayerRule(tuple(f"(?:{pattern}).*" for pattern in spec.patterns), spec.partition_type.value,
+        rules.append(LayerRule(tuple(from_start(pattern) for pattern in spec.patterns), spec.partition_type.value,
                                spec_parts(spec), gather_output=spec.gather_output))
     return tuple(rules)
 

@@ -213,7 +213,8 @@ class TensorParallelLayerSpec(Section):
     UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"shape"})
 
     patterns: list[Str]
-    """Regular expressions matched (in full) against parameter names, e.g. ``.*\\.q_proj\\.weight$``."""
+    """Regular expressions matched from the start of parameter names (as DeepSpeed's ``re.match``), e.g.
+    ``.*\\.q_proj\\.weight$``."""
     partition_type: Literal["column", "row", "skip"]
     """column: split the output features; row: split the input features; skip: leave replicated."""
     parts: AutoPosInt = 1

@@ -91,12 +91,18 @@ PLANS: dict[str, ArchitecturePlan] = {
 }
 
 
+def from_start(pattern: str) -> str:
+    """A ``layer_specs`` pattern as a rule pattern: DeepSpeed matches it from the start of the name (``re.match``:
+    ``.*\\.q_proj`` matches ``model.layers.0.q_proj.weight``), rules match in full, so the rest is let through."""
+    return f"(?:{pattern}).*"
+
+
 def rules_from_config(layer_specs: list) -> tuple[LayerRule, ...]:
-    """The config's ``partition_config.layer_specs`` (sections or dicts) as rules."""
+    """The config's ``partition_config.layer_specs`` (sections or dicts) as rules, matching as DeepSpeed's do."""
     rules = []
     for spec in layer_specs:
         get: Callable[..., Any] = (spec.get if isinstance(spec, dict)
                                    else lambda key, default=None, s=spec: getattr(s, key, default))
-        rules.append(LayerRule(tuple(get("patterns")), get("partition_type"), int(get("parts", 1) or 1),
-                               gather_output=bool(get("gather_output", False))))
+        rules.append(LayerRule(tuple(from_start(p) for p in get("patterns")), get("partition_type"),
+                               int(get("parts", 1) or 1), gather_output=bool(get("gather_output", False))))
     return tuple(rules)
