@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional, Union
 
-from zerotune.parallel.tensor.plans import LayerRule, from_start
+from zerotune.parallel.tensor.plans import LayerRule, from_start, parts_from_shape
 
 Shape = tuple[Union[int, tuple[int, ...]], ...]
 
@@ -160,16 +160,10 @@ def spec_parts(spec: TPLayerSpec) -> int:
     """zerotune's ``parts`` for the spec's fused sub-parameters; a layout zerotune cannot record is refused."""
     if spec.shape is None:
         return 1
-    what = f"AutoTP spec {spec.patterns}: shape={spec.shape}, partition_dim={spec.partition_dim}"
-    if spec.partition_type != PartitionType.COLUMN or len(spec.shape) != 2 or spec.get_partition_dim() != 0:
-        raise ValueError(f"{what}: zerotune splits fused sub-parameters only along a column layer's output "
-                         "features (a 2-D shape split at partition_dim 0), not after a reshape or along another dim")
-    sizes = spec.get_sub_param_sizes()
-    if sizes is not None and len(set(sizes)) > 1:
-        raise ValueError(f"{what}: unequal sub-parameter sizes {sizes} (e.g. a GQA q|k|v) are not supported: "
-                         "zerotune's tensor-parallel layout splits equal fused parts; split q, k and v as "
-                         "separate layers")
-    return spec.get_num_sub_params() or 1
+    try:
+        return parts_from_shape(spec.shape, spec.partition_dim, spec.partition_type.value)
+    except ValueError as error:
+        raise ValueError(f"AutoTP spec {spec.patterns}: {error}") from None
 
 
 def layer_rules(config: AutoTPConfig, model_type: Optional[str] = None) -> tuple[LayerRule, ...]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Optional
 
-from pydantic import Field, StrictBool, field_validator
+from pydantic import Field, StrictBool, field_validator, model_validator
 
 from .section import NoEffect, Section
 from .types import (
@@ -210,8 +210,6 @@ class GradientCompressionConfig(Section):
 class TensorParallelLayerSpec(Section):
     """One rule of ``tensor_parallel.partition_config.layer_specs``: how matching layers are split."""
 
-    UNSUPPORTED: ClassVar[frozenset[str]] = frozenset({"shape"})
-
     patterns: list[Str]
     """Regular expressions matched from the start of parameter names (as DeepSpeed's ``re.match``), e.g.
     ``.*\\.q_proj\\.weight$``."""
@@ -221,6 +219,20 @@ class TensorParallelLayerSpec(Section):
     """(zerotune) fused sub-blocks along the output features split separately, e.g. 3 for a fused q|k|v."""
     gather_output: AutoBool = False
     """column: all-gather the split output, so the next module sees all of it (e.g. an LM head read by the loss)."""
+    shape: Optional[list[Any]] = None
+    """(DeepSpeed) fused sub-parameters, e.g. ``[3, -1]`` or ``[[h, h, h], -1]``: equal parts become ``parts``."""
+    partition_dim: Optional[int] = None
+    """(DeepSpeed) the dim ``shape`` splits at; zerotune splits fused parts at 0 (the output features) only."""
+
+    @model_validator(mode="after")
+    def _shape_as_parts(self) -> TensorParallelLayerSpec:
+        if self.shape is not None:
+            from zerotune.parallel.tensor.plans import parts_from_shape
+
+            self.parts = parts_from_shape(self.shape, self.partition_dim, self.partition_type)
+        elif self.partition_dim is not None:
+            raise ValueError("partition_dim applies to a fused 'shape' only")
+        return self
 
     @field_validator("patterns")
     @classmethod

@@ -91,6 +91,36 @@ PLANS: dict[str, ArchitecturePlan] = {
 }
 
 
+def parts_from_shape(shape: Any, partition_dim: int | None, partition_type: str) -> int:
+    """DeepSpeed's fused sub-parameter ``shape`` (with ``partition_dim``) as zerotune's ``parts``.
+
+    ``(n, -1)`` or ``((s, s, ..., s), -1)`` split at dim 0 of a column layer: n equal parts of the output
+    features, each split over the ranks separately. Unequal sizes (a GQA q|k|v), a view with more than two dims
+    or a split along another dim are layouts a ``TPLayout`` cannot record: a ValueError names them."""
+    shape = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in shape)
+    dim = partition_dim if partition_dim is not None else (0 if partition_type == "column" else 1)
+    if partition_type != "column" or len(shape) != 2 or dim != 0:
+        raise ValueError(f"shape={list(shape)}, partition_dim={dim} ({partition_type}): zerotune splits fused "
+                         "sub-parameters only along a column layer's output features (a 2-D shape split at "
+                         "partition_dim 0), not after a reshape or along another dim")
+    parts, rest = shape
+    if not (rest == -1 or (isinstance(rest, int) and rest > 0)):
+        raise ValueError(f"shape={list(shape)}: the second entry must be -1 or a positive size")
+    if isinstance(parts, tuple):
+        if not parts or any(not isinstance(p, int) or p <= 0 for p in parts):
+            raise ValueError(f"shape={list(shape)}: sub-parameter sizes must be positive integers")
+        if len(set(parts)) > 1:
+            raise ValueError(f"shape={list(shape)}: unequal sub-parameter sizes {parts} (e.g. a GQA q|k|v) are not "
+                             "supported: zerotune's tensor-parallel layout splits equal fused parts; split q, k and v "
+                             "as separate layers")
+        return len(parts)
+    if isinstance(parts, int) and parts > 0:
+        return parts
+    if parts == -1:
+        return 1
+    raise ValueError(f"shape={list(shape)}: the first entry must be a part count, -1 or a tuple of sizes")
+
+
 def from_start(pattern: str) -> str:
     """A ``layer_specs`` pattern as a rule pattern: DeepSpeed matches it from the start of the name (``re.match``:
     ``.*\\.q_proj`` matches ``model.layers.0.q_proj.weight``), rules match in full, so the rest is let through."""
