@@ -24,6 +24,7 @@ from zerotune.engine_core import EngineCore
 from zerotune.engine_flops import EngineFlops
 from zerotune.engine_offload_states import BACKWARD_NEEDS, FORWARD_NEEDS
 from zerotune.parallel.sequence.batch import sequence_parallel_forward
+from zerotune.parallel.tensor.consistency import check_same_inputs
 
 
 class NoSyncError(RuntimeError, AssertionError):
@@ -41,6 +42,8 @@ class Engine(EngineCompile, EngineFlops, EngineCore):
         # forward is local (a rank may evaluate alone) and the collective guard leaves it out.
         self._forward_communicates = (self.state.partitions_weights or self.mesh.size("tp") > 1
                                       or self.mesh.size("sp") > 1)
+        # Every rank of a tp group must see the same batch: checked at the first forward (tensor/consistency.py)
+        self._tp_inputs_unchecked = self.mesh.size("tp") > 1
         self._step_calls = 0  # engine.step() calls: the micro-steps this engine has run (never rewound)
         self._guarded_at = -1  # one collective-guard point per micro-step, before its first collective
         self._flops_setup()  # the config's flops_profiler block (engine_flops.py)
@@ -50,6 +53,9 @@ class Engine(EngineCompile, EngineFlops, EngineCore):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         self._require_on_device("forward()", FORWARD_NEEDS)
         check_batch_not_empty((args, kwargs), self.global_steps + 1, self.micro_steps, self.global_rank)
+        if self._tp_inputs_unchecked:
+            check_same_inputs(args, kwargs, self.mesh.group("tp"))
+            self._tp_inputs_unchecked = False
         args, kwargs = self._curriculum_inputs(args, kwargs)  # curriculum_learning (engine_curriculum.py)
         if self.policy.mixed:
             dtype = self.policy.param_dtype

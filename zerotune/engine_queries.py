@@ -151,6 +151,21 @@ class EngineQueries(torch.nn.Module):
         """The data-parallel process group (the world's group when every rank is data parallel)."""
         return self.mesh.group("dp") or torch.distributed.group.WORLD
 
+    def autotp_size(self) -> int:
+        """The config's ``tensor_parallel.autotp_size`` (0 or 1: no tensor parallelism)."""
+        return int(self._config.tensor_parallel.autotp_size)
+
+    def _consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False) -> dict | None:
+        """DeepSpeed's whole-model state dict on rank 0 where the weights are partitioned (ZeRO-3: as
+        ``_zero3_consolidated_16bit_state_dict``; tensor parallelism: shards joined, None on other ranks)."""
+        if self.state.partitions_weights:
+            return self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        if self.mesh.size("tp") > 1:
+            gathered = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+            return gathered if self.global_rank == 0 else None
+        raise ValueError("_consolidated_16bit_state_dict needs partitioned weights (ZeRO stage 3 or "
+                         "tensor_parallel.autotp_size > 1); use module.state_dict() otherwise")
+
     def zero_optimization_partition_gradients(self) -> bool:
         return self.state.reduces_every_backward
 

@@ -17,6 +17,7 @@ from zerotune.config import ConfigError, resolved
 from zerotune.distributed.engine_guards import EngineGuards
 from zerotune.distributed.env import DEFAULT_PORT
 from zerotune.engine import Engine
+from zerotune.initialize_parallel import check_mpu_agrees
 from zerotune.initialize_phases import (
     assemble_engine,
     build_stage,
@@ -62,15 +63,13 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if model is None:
         hint = " (a module was passed as the first argument, args=)" if isinstance(args, torch.nn.Module) else ""
         raise MissingModelError(f"initialize() needs model=, a torch.nn.Module; got None{hint}")
-    if mpu is not None:
-        raise ConfigError("mpu", "a Megatron mpu object is not supported: zerotune builds its own mesh from "
-                                 "tensor_parallel.autotp_size and sequence_parallel_size")
     if mesh_param is not None:
         raise ConfigError("mesh_param", "is not supported: zerotune builds its mesh from tensor_parallel.autotp_size, "
                                         "sequence_parallel_size and pipeline.stages")
     setup = configure_run(_config_source(args, config, config_params), model, dist_init_required=dist_init_required,
                           distributed_port=distributed_port)
     cfg, env = setup.cfg, setup.env
+    check_mpu_agrees(mpu, setup.mesh)
     # This engine's own guards (distributed/engine_guards.py): its collective guard, its watchdog timeout, and
     # the activation-checkpointing policy its checkpoint(...) calls and wrapped blocks follow.
     comm_timeout_s = None if cfg.comm_timeout_s is None else resolved(cfg.comm_timeout_s, "comm_timeout_s")

@@ -46,16 +46,48 @@ def check_model_parallel_composes(cfg: Any, mesh: ProcessMesh) -> None:
                    mesh.size("pp"), mesh.size("sp"))
 
 
+def check_mpu_agrees(mpu: Any, mesh: ProcessMesh) -> None:
+    """A Megatron ``mpu`` is accepted where it describes the layout zerotune built (same model- and data-parallel
+    sizes and ranks; zerotune's groups are used); any other is refused naming ``mpu``."""
+    if mpu is None:
+        return
+    queries = ("get_model_parallel_world_size", "get_model_parallel_rank", "get_data_parallel_world_size",
+               "get_data_parallel_rank")
+    if not all(callable(getattr(mpu, name, None)) for name in queries):
+        raise ConfigError("mpu", f"needs {', '.join(queries)}; got {type(mpu).__name__}")
+    theirs = tuple(int(getattr(mpu, name)()) for name in queries)
+    ours = (mesh.size("tp"), mesh.rank("tp"), mesh.size("dp"), mesh.rank("dp"))
+    if mesh.size("pp") > 1 or mesh.size("sp") > 1 or theirs != ours:
+        raise ConfigError("mpu", f"describes model x data parallel sizes/ranks {theirs}, but zerotune's mesh from "
+                                 f"tensor_parallel.autotp_size / sequence_parallel_size / pipeline.stages is {ours} "
+                                 "(tensor ranks consecutive); zerotune builds its own groups: drop mpu or make "
+                                 "the config agree")
+
+
 def split_tensor_parallel(model: torch.nn.Module, cfg: Any, mesh: ProcessMesh, *, rank: int) -> None:
-    """Tensor parallelism (AutoTP), applied in place before any state is built."""
+    """Tensor parallelism (AutoTP), applied in place before any state is built. A model the script already split
+    (zerotune's or DeepSpeed's tensor-parallel layers) is trained as it is; its split must match the mesh."""
     tp_group = mesh.group("tp")
     if tp_group is None:  # (a tensor-parallel size of 1)
+        return
+    if _check_presplit(model, mesh.size("tp")):
+        log_rank0("tensor parallelism: the model's layers are split already (over %d ranks); AutoTP left them as "
+                  "they are", mesh.size("tp"), rank=rank)
         return
     partition = cfg.tensor_parallel.partition_config
     split = apply_autotp(model, tp_group, layer_specs=rules_from_config(partition.layer_specs),
                          use_default_specs=bool(partition.use_default_specs))
     log_rank0("tensor parallelism: %d layer(s) split over %d ranks (%s, ...)", len(split), mesh.size("tp"),
               ", ".join(f"{layer.name}: {layer.kind}" for layer in split[:3]), rank=rank)
+
+
+def _check_presplit(model: torch.nn.Module, tp: int) -> bool:
+    """Whether ``model`` holds tensor-parallel shards already; they must be split over ``tp`` ranks."""
+    worlds = {layout.world for layout in (tp_layout_of(p) for p in model.parameters()) if layout is not None}
+    if worlds and worlds != {tp}:
+        raise ConfigError("tensor_parallel.autotp_size", f"is {tp}, but the model's layers are already split over "
+                                                         f"{sorted(worlds)} ranks; make them agree")
+    return bool(worlds)
 
 
 def install_sequence_parallel(model: torch.nn.Module, mesh: ProcessMesh, *, rank: int) -> None:

@@ -52,6 +52,7 @@ from zerotune.optim import (
 )
 from zerotune.optim.onebit_adam import OneBitAdam
 from zerotune.parallel.block_checkpointing import checkpoint_blocks_at_initialize
+from zerotune.parallel.tensor.layout import tp_layout_of
 from zerotune.pipe.engine import PipelineEngine
 from zerotune.pipe.module import PipelineModule
 from zerotune.pipe.setup import build_pipeline, check_pipeline_composes
@@ -163,7 +164,7 @@ def place_model(setup: RunSetup, model: torch.nn.Module, guards: EngineGuards) -
     if not cut_here:  # (one to cut stays on the host until then: only this rank's stage goes to the device)
         model.to(env.device)
     if not setup.pipelined:
-        broadcast_from_rank0(model)
+        broadcast_from_rank0(model, shard_group=mesh.group("dp"))
         split_tensor_parallel(model, cfg, mesh, rank=env.rank)
         install_sequence_parallel(model, mesh, rank=env.rank)
         return PlacedModel(model, model, {}, None)
@@ -286,18 +287,24 @@ def _trainable_in_model_order(model: torch.nn.Module, groups: list[dict]) -> lis
     return [p for p in model.parameters() if id(p) in chosen]
 
 
-def broadcast_from_rank0(model: torch.nn.Module, staging: torch.device | None = None) -> None:
+def broadcast_from_rank0(model: torch.nn.Module, staging: torch.device | None = None,
+                         shard_group: torch.distributed.ProcessGroup | None = None) -> None:
     """Start every rank from rank 0's full weights and buffers (before tensor parallelism splits them).
 
-    Parameters ``zero.Init`` partitioned were broadcast from rank 0 as they were built. ``staging``: a model
-    kept on the host whose collectives need device tensors (NCCL) goes through that device one tensor at a
-    time, so a model bigger than one device (cut into pipeline stages next) is never on it whole.
+    Parameters ``zero.Init`` partitioned were broadcast from rank 0 as they were built. Tensor-parallel shards a
+    script made already differ by tp rank: each comes from data-parallel rank 0 over ``shard_group`` (the
+    ranks holding the same shard; None: no other holder). ``staging``: a model kept on the host whose
+    collectives need device tensors (NCCL) goes through that device one tensor at a time, so a model bigger
+    than one device (cut into pipeline stages next) is never on it whole.
     """
-    group = torch.distributed.group.WORLD
+    world = torch.distributed.group.WORLD
     through_device = staging is not None and torch.distributed.get_backend() == "nccl"
     with torch.no_grad():
         for tensor in model.state_dict(keep_vars=True).values():
             if sharded_param_of(tensor) is not None:
+                continue
+            group = world if tp_layout_of(tensor) is None else shard_group
+            if group is None:
                 continue
             data = tensor.data if isinstance(tensor, torch.nn.Parameter) else tensor
             if through_device and data.device != staging:

@@ -38,6 +38,7 @@ __all__ = [
     "ReduceOp", "CommError", "comm_stats", "reset_comm_stats", "total_comm_bytes", "init_distributed",
     "is_initialized", "is_available", "get_rank", "get_world_size", "get_local_rank", "get_global_rank",
     "get_world_group", "get_all_ranks_from_group", "get_backend", "new_group", "destroy_process_group",
+    "initialize_mesh_device",
     "all_reduce", "inference_all_reduce", "all_reduce_coalesced", "broadcast", "all_gather",
     "all_gather_into_tensor", "allgather_fn", "reduce_scatter_tensor", "reduce_scatter_fn", "reduce_scatter",
     "reduce", "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv", "isend", "irecv",
@@ -116,6 +117,15 @@ def get_backend(group: dist.ProcessGroup | None = None) -> str:
 def new_group(ranks: list[int]) -> dist.ProcessGroup:
     """A subgroup of the given global ranks (every rank must call it, as with torch)."""
     return dist.new_group(ranks)
+
+
+def initialize_mesh_device(mesh_shape: tuple[int, ...], mesh_dim_names: tuple[str, ...]) -> Any:
+    """torch's ``DeviceMesh`` of ``mesh_shape`` over the world (last dim innermost), on this process's device
+    type: DeepSpeed's mesh for its data x sequence / data x tensor groups."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    device_type = "cuda" if dist.get_backend(_world(None)) == "nccl" else "cpu"
+    return init_device_mesh(device_type, tuple(mesh_shape), mesh_dim_names=tuple(mesh_dim_names))
 
 
 def destroy_process_group(group: dist.ProcessGroup | None = None) -> None:

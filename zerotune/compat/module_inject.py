@@ -3,8 +3,9 @@
 ``init_inference`` splits models with zerotune's AutoTP (``zerotune/parallel/tensor``), so what DeepSpeed code
 takes from here to *describe* a split works: ``AutoTP.tp_parser(model)`` is the built-in plan as an injection
 policy (``{block class: row-parallel linear names}``), which ``init_inference(injection_policy=...)`` accepts.
-DeepSpeed's fused-kernel injection, its tensor-slicing layers and int8 quantizer are not here; each name fails
-on use with one line naming the feature.
+``LinearLayer`` / ``LinearAllreduce`` are zerotune's tensor-parallel layers under DeepSpeed's names
+(``tp_layers.py``). DeepSpeed's fused-kernel injection, its inference tensor slicing and int8 quantizer are not
+here; each name fails on use with one line naming the feature.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 from zerotune.compat.refusals import refused_class, refused_function
+from zerotune.compat.tp_layers import LinearAllreduce, LinearLayer, set_autotp_mode
 from zerotune.inference.injection import injection_policy_of
 from zerotune.parallel.tensor.plans import PLANS
 
@@ -36,8 +38,7 @@ generic_injection = refused_function("deepspeed.module_inject.generic_injection"
 quantize_transformer_layer = refused_function("deepspeed.module_inject.quantize_transformer_layer")
 ReplaceWithTensorSlicing = refused_class("deepspeed.module_inject.ReplaceWithTensorSlicing")
 GroupQuantizer = refused_class("deepspeed.module_inject.GroupQuantizer")
-LinearAllreduce = refused_class("deepspeed.module_inject.LinearAllreduce")
-LinearLayer = refused_class("deepspeed.module_inject.LinearLayer")
 
 __all__ = ["AutoTP", "GroupQuantizer", "LinearAllreduce", "LinearLayer", "ReplaceWithTensorSlicing",
-           "generic_injection", "quantize_transformer_layer", "replace_transformer_layer", "revert_transformer_layer"]
+           "generic_injection", "quantize_transformer_layer", "replace_transformer_layer", "revert_transformer_layer",
+           "set_autotp_mode"]

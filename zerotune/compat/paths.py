@@ -44,7 +44,7 @@ _COMM = ("init_distributed", "is_initialized", "is_available", "get_rank", "get_
          "reduce_scatter", "reduce", "all_to_all_single", "all_to_all", "gather", "scatter", "send", "recv",
          "isend", "irecv", "barrier", "monitored_barrier", "has_all_reduce_coalesced",
          "has_all_gather_into_tensor", "has_reduce_scatter_tensor", "configure", "log_summary", "ReduceOp",
-         "comms_logger")
+         "comms_logger", "initialize_mesh_device")
 _ACCELERATOR = ("get_accelerator", "set_accelerator", "is_current_accelerator_supported")
 _PIPE = ("PipelineModule", "LayerSpec", "TiedLayerSpec", "ProcessTopology", "PipeDataParallelTopology",
          "PipeModelDataParallelTopology")
@@ -76,12 +76,18 @@ _CONSTRUCTOR_PATCHING = ("zero.Init's patching of module classes and torch.nn.fu
                          "uses torch's module-registration hooks and stage 3 runs torch's own linear)")
 _PARAMETER_DICT = ("ZeRO-3's replacement of each module's _parameters dict (zerotune leaves modules' containers as "
                    "torch made them; a parameter used outside its module is declared with register_external_parameter)")
+_TP_LAYERS_REFUSED = {
+    "SubParamLinearLayer": "AutoTP's shaped sub-parameter splits (layer_specs 'shape'; zerotune splits fused outputs "
+                           "with 'parts')",
+    "SubParamLinearAllreduce": "AutoTP's shaped sub-parameter splits (layer_specs 'shape'; zerotune splits fused "
+                               "outputs with 'parts')",
+    "EmbeddingLayer": "DeepSpeed's inference kernel layers (an embedding splits as zerotune's VocabParallelEmbedding)",
+    "Normalize": "DeepSpeed's inference kernel layers (norms stay the model's own modules)",
+}
 _MODULE_INJECT_REFUSED = {
     "replace_transformer_layer": _KERNEL_INJECTION, "revert_transformer_layer": _KERNEL_INJECTION,
     "generic_injection": _KERNEL_INJECTION,
     "ReplaceWithTensorSlicing": "DeepSpeed's inference tensor slicing (AutoTP splits through zerotune.parallel.tensor)",
-    "LinearAllreduce": "DeepSpeed's inference tensor-parallel layers (zerotune's: zerotune.parallel.tensor)",
-    "LinearLayer": "DeepSpeed's inference tensor-parallel layers (zerotune's: zerotune.parallel.tensor)",
     "GroupQuantizer": "int8 weight quantization for the inference kernels",
     "quantize_transformer_layer": "int8 weight quantization for the inference kernels",
 }
@@ -93,7 +99,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "accelerator", "utils", "runtime", "get_accelerator", "__version__", "__version_major__", "__version_minor__",
         "__version_patch__", "OnDevice",
         "init_inference", "DeepSpeedTransformerLayer", "DeepSpeedTransformerConfig", "InferenceEngine",
-        "DeepSpeedInferenceConfig")),
+        "DeepSpeedInferenceConfig", "tp_model_init", "_TP_MODEL_INIT_ARGS")),
     "deepspeed.comm": Mapped("zerotune.compat.comm", _COMM),
     "deepspeed.comm.comm": Mapped("zerotune.compat.comm", _COMM),
     "deepspeed.accelerator": Mapped("zerotune.compat.accelerator", _ACCELERATOR),
@@ -128,7 +134,11 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
         "_get_model_parallel_group", "_get_model_parallel_world_size", "_get_model_parallel_rank",
         "_get_sequence_parallel_group", "_get_sequence_parallel_world_size", "_get_sequence_parallel_rank",
         "_get_pipe_parallel_group", "get_tensor_model_parallel_group", "get_tensor_model_parallel_world_size",
-        "get_tensor_model_parallel_rank", "_create_expert_and_data_parallel", "_get_expert_parallel_ranks",
+        "get_tensor_model_parallel_rank", "get_tensor_model_parallel_src_rank", "get_model_parallel_group",
+        "get_model_parallel_world_size", "get_model_parallel_rank", "get_data_parallel_group",
+        "get_data_parallel_world_size", "get_data_parallel_rank", "_init_tp_mesh_device",
+        "_TENSOR_MODEL_PARALLEL_GROUP", "_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+        "_create_expert_and_data_parallel", "_get_expert_parallel_ranks",
         "_get_expert_parallel_group",
         "_get_expert_data_parallel_group", "_get_expert_parallel_world_size", "_get_expert_parallel_rank",
         "_get_expert_data_parallel_world_size", "_get_expert_data_parallel_rank", "_get_max_expert_size",
@@ -287,7 +297,12 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.inference.engine": Mapped("zerotune.inference.engine", ("InferenceEngine",)),
     "deepspeed.inference.config": Mapped("zerotune.compat.inference",
                                          ("DeepSpeedInferenceConfig", "DeepSpeedTPConfig")),
-    "deepspeed.module_inject": Mapped("zerotune.compat.module_inject", ("AutoTP", *_MODULE_INJECT_REFUSED)),
+    "deepspeed.module_inject": Mapped("zerotune.compat.module_inject", (
+        "AutoTP", "LinearAllreduce", "LinearLayer", "set_autotp_mode", *_MODULE_INJECT_REFUSED)),
+    # DeepSpeed's tensor-parallel layer names on zerotune's column/row-parallel layers (parallel/tensor/layers.py)
+    "deepspeed.module_inject.layers": Mapped("zerotune.compat.tp_layers", (
+        "LinearLayer", "LinearAllreduce", "LmHeadLinearAllreduce", "set_autotp_mode", "is_autotp_training_mode",
+        *_TP_LAYERS_REFUSED)),
     "deepspeed.module_inject.auto_tp": Mapped("zerotune.compat.module_inject", ("AutoTP",)),
     # DeepSpeed's partition-config objects and HF tp_plan converter over zerotune's LayerRules (parallel/tensor)
     "deepspeed.module_inject.autotp_config": Mapped("zerotune.compat.autotp_config", (
@@ -320,8 +335,6 @@ REFUSED_MODULES: dict[str, str] = {
     "deepspeed.compile": "DeepCompile's graph passes (deepspeed.compile; engine.compile() runs torch.compile)",
     "deepspeed.inference.v2": "DeepSpeed-FastGen (inference v2: ragged batching and its kernels)",
     "deepspeed.module_inject.replace_module": _KERNEL_INJECTION,
-    "deepspeed.module_inject.layers": ("DeepSpeed's inference tensor-parallel layers (zerotune's: "
-                                       "zerotune.parallel.tensor)"),
     "deepspeed.module_inject.containers": _KERNEL_INJECTION,
     "deepspeed.model_implementations": "the fused inference kernels' model implementations",
     "deepspeed.moe.experts": "Mixture-of-Experts layers (deepspeed.moe)",
@@ -356,6 +369,7 @@ REFUSED_NAMES: dict[str, str] = {
     "deepspeed.compression.init_compression": _COMPRESSION,
     "deepspeed.compression.redundancy_clean": _COMPRESSION,
     **{f"deepspeed.module_inject.{name}": feature for name, feature in _MODULE_INJECT_REFUSED.items()},
+    **{f"deepspeed.module_inject.layers.{name}": feature for name, feature in _TP_LAYERS_REFUSED.items()},
     "deepspeed.elasticity.DSElasticAgent": "DeepSpeed's torch-elastic agent (its launcher's --enable_elastic_training; "
                                            "`zerotune run --max-restarts` restarts workers through torchrun's agent)",
     "deepspeed.zero.MiCS_Init": "MiCS (ZeRO-3 sharding within sub-groups of ranks; zerotune shards over the whole "

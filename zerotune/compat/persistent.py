@@ -46,7 +46,7 @@ except ImportError as error:
     print(f"import deepspeed fails ({type(error).__name__}: {error})")
     sys.exit(0)
 import importlib.metadata, zerotune
-if getattr(deepspeed, "initialize", None) is zerotune.initialize:
+if getattr(getattr(deepspeed, "initialize", None), "__wrapped__", None) is zerotune.initialize:
     print(f"zerotune (deepspeed {importlib.metadata.version('deepspeed')})")
 else:
     print(f"a real DeepSpeed ({getattr(deepspeed, '__file__', None)})")

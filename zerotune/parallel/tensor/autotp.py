@@ -154,7 +154,10 @@ def layers_to_split(model: nn.Module, tp: int, *, layer_specs: tuple[LayerRule, 
                 chosen.append((name, module, rule))
     if from_hf_plan:  # the model's plan names an LM head that is tied to the (unnamed) embedding: keep both whole
         chosen = untied_layers(model, chosen)
-    if not chosen and not layer_specs:  # (the user's own rules may match nothing: the model stays whole)
+    # Rules that only say "skip" (DeepSpeed's way to set up tp groups and split nothing) may match nothing; a
+    # split rule that matched nothing is most likely a misspelt pattern.
+    skip_only = bool(layer_specs) and all(rule.partition_type == "skip" for rule in layer_specs)
+    if not chosen and not skip_only:
         raise TensorParallelPlanError(
             f"tensor parallelism: no layer of {type(model).__name__} matched the tensor-parallel rules "
             f"{[list(r.patterns) for r in rules]}; check the patterns against model.named_parameters()")
