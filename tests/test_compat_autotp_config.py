@@ -18,6 +18,7 @@ from tests.harness import run_distributed
 from tests.models import assert_close_traces, engine_run, mlp_batch, reference_run
 from zerotune.compat.alias import install_deepspeed_alias
 from zerotune.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from zerotune.parallel.tensor.plans import rules_from_config
 
 install_deepspeed_alias()
 
@@ -40,6 +41,8 @@ def test_from_dict_parses_and_converts_to_rules() -> None:
     rules = layer_rules(config, "gpt2")  # the llama-only spec left out
     assert [(r.partition_type, r.parts, r.gather_output) for r in rules] == [("column", 1, True), ("column", 3, False)]
     assert rules[0].matches("model.layers.0.q_proj.weight") and not rules[0].matches("layers.0.k_proj.weight")
+    section_rule = rules_from_config([{"patterns": [r".*\.q_proj"], "partition_type": "column"}])[0]
+    assert section_rule.matches("model.layers.0.q_proj.weight")  # the engine's config matches as DeepSpeed's does
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -122,3 +125,38 @@ def test_hf_plan_model_trains_as_the_unsplit_model() -> None:
     for kinds, trace in run_distributed(_hf_plan_run, 2, timeout=120):
         assert kinds == (True, True, True, (16, 8), (2, 8))
         assert_close_traces(trace, reference, rel=1e-5)
+
+
+class _Head(torch.nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.ModuleDict({"q_proj": torch.nn.Linear(4, 4)})])
+        self.embed_tokens, self.lm_head = torch.nn.Embedding(8, 4), torch.nn.Linear(4, 8, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed_tokens.weight
+
+
+def _autotp(model: torch.nn.Module, config: AutoTPConfig):
+    from deepspeed.module_inject.auto_tp import AutoTP
+
+    autotp = AutoTP(module=model, all_reduce_linears=[], prefix="", state_dict=None, linear_layer_setting=None,
+                    orig_layer_impl=None, partition_config=config)
+    autotp.set_tensor_parallel_config(1, None)
+    autotp.update_linear_policies()
+    return autotp._replace_module(model)
+
+
+def test_autotp_driver_splits_by_full_names_and_keeps_tied_heads_whole() -> None:
+    from deepspeed.module_inject.auto_tp import AutoTP
+    from deepspeed.module_inject.layers import LinearLayer
+
+    config = AutoTPConfig(layer_specs=[TPLayerSpec([r"layers\.\d+\.q_proj"], PartitionType.COLUMN),
+                                       TPLayerSpec([r".*lm_head\.weight$"], "column", gather_output=True)])
+    untied, tied = _autotp(_Head(tied=False), config), _autotp(_Head(tied=True), config)
+    assert isinstance(untied.layers[0]["q_proj"], LinearLayer) and untied.lm_head.gather_output
+    assert type(tied.lm_head) is torch.nn.Linear and tied.lm_head.weight is tied.embed_tokens.weight
+    with pytest.raises(ValueError, match="strict_mode: no layer_specs entry matches lm_head.weight"):
+        _autotp(_Head(tied=False), AutoTPConfig(layer_specs=config.layer_specs[:1], strict_mode=True))
+    with pytest.raises(ValueError, match="partition_config=None"):
+        AutoTP(module=_Head(tied=False), all_reduce_linears=[], prefix="", state_dict=None, linear_layer_setting=None,
+               orig_layer_impl=None)

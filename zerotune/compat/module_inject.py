@@ -3,34 +3,17 @@
 ``init_inference`` splits models with zerotune's AutoTP (``zerotune/parallel/tensor``), so what DeepSpeed code
 takes from here to *describe* a split works: ``AutoTP.tp_parser(model)`` is the built-in plan as an injection
 policy (``{block class: row-parallel linear names}``), which ``init_inference(injection_policy=...)`` accepts.
-``LinearLayer`` / ``LinearAllreduce`` are zerotune's tensor-parallel layers under DeepSpeed's names
-(``tp_layers.py``). DeepSpeed's fused-kernel injection, its inference tensor slicing and int8 quantizer are not
-here; each name fails on use with one line naming the feature.
+``AutoTP`` also splits a model by an ``AutoTPConfig`` by hand (``auto_tp.py``). ``LinearLayer`` /
+``LinearAllreduce`` are zerotune's tensor-parallel layers under DeepSpeed's names (``tp_layers.py``).
+DeepSpeed's fused-kernel injection, its inference tensor slicing and int8 quantizer are not here; each name
+fails on use with one line naming the feature.
 """
 
 from __future__ import annotations
 
-from torch import nn
-
+from zerotune.compat.auto_tp import AutoTP
 from zerotune.compat.refusals import refused_class, refused_function
 from zerotune.compat.tp_layers import LinearAllreduce, LinearLayer, set_autotp_mode
-from zerotune.inference.injection import injection_policy_of
-from zerotune.parallel.tensor.plans import PLANS
-
-
-class AutoTP:
-    """DeepSpeed's ``AutoTP`` parser (its static methods); the split itself is ``init_inference``'s."""
-
-    @staticmethod
-    def tp_parser(model: nn.Module) -> list[tuple[type, tuple[str, ...]]]:
-        """Per transformer block class, the names of its row-parallel linears (DeepSpeed's policy list)."""
-        return injection_policy_of(model)
-
-    @staticmethod
-    def supported(model: nn.Module) -> bool:
-        """Whether zerotune has a built-in plan for the model's architecture."""
-        return getattr(getattr(model, "config", None), "model_type", None) in PLANS
-
 
 replace_transformer_layer = refused_function("deepspeed.module_inject.replace_transformer_layer")
 revert_transformer_layer = refused_function("deepspeed.module_inject.revert_transformer_layer")

@@ -303,7 +303,9 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.module_inject.layers": Mapped("zerotune.compat.tp_layers", (
         "LinearLayer", "LinearAllreduce", "LmHeadLinearAllreduce", "set_autotp_mode", "is_autotp_training_mode",
         *_TP_LAYERS_REFUSED)),
-    "deepspeed.module_inject.auto_tp": Mapped("zerotune.compat.module_inject", ("AutoTP",)),
+    # DeepSpeed's AutoTP driver (AutoTPConfig specs -> zerotune's layers, by hand) and the config names it re-exports
+    "deepspeed.module_inject.auto_tp": Mapped("zerotune.compat.auto_tp", ("AutoTP", "AutoTPConfig", "PartitionType",
+                                                                         "TPLayerSpec")),
     # DeepSpeed's partition-config objects and HF tp_plan converter over zerotune's LayerRules (parallel/tensor)
     "deepspeed.module_inject.autotp_config": Mapped("zerotune.compat.autotp_config", (
         "AutoTPConfig", "PartitionType", "TPLayerSpec")),
