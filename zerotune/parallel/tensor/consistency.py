@@ -35,7 +35,9 @@ def _fingerprint(value: Any) -> Any:
         return (type(value).__name__, tuple(_fingerprint(item) for item in value))
     if isinstance(value, dict):
         return ("dict", tuple((str(key), _fingerprint(item)) for key, item in sorted(value.items(), key=str)))
-    return ("value", repr(value))
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return ("value", repr(value))
+    return ("object", type(value).__qualname__)  # (another object's repr may hold its address: not compared)
 
 
 def check_same_inputs(args: tuple, kwargs: dict, group: dist.ProcessGroup | None) -> None:
