@@ -83,6 +83,8 @@ _TP_LAYERS_REFUSED = {
                                "outputs with 'parts')",
     "EmbeddingLayer": "DeepSpeed's inference kernel layers (an embedding splits as zerotune's VocabParallelEmbedding)",
     "Normalize": "DeepSpeed's inference kernel layers (norms stay the model's own modules)",
+    "fused_LinearLayer": "AutoTP's per-architecture fused-qkv heuristic layer (zerotune's plans and layer_specs split "
+                         "fused outputs with 'parts' / 'shape')",
 }
 _MODULE_INJECT_REFUSED = {
     "replace_transformer_layer": _KERNEL_INJECTION, "revert_transformer_layer": _KERNEL_INJECTION,

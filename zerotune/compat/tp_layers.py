@@ -38,8 +38,8 @@ from zerotune.parallel.tensor.mappings import group_world_size
 from zerotune.parallel.tensor.state_dict import gather_full_tensor
 
 __all__ = ["EmbeddingLayer", "LinearAllreduce", "LinearLayer", "LmHeadLinearAllreduce", "Normalize",
-           "SubParamLinearAllreduce", "SubParamLinearLayer", "build_tp_layer", "is_autotp_training_mode",
-           "set_autotp_mode"]
+           "SubParamLinearAllreduce", "SubParamLinearLayer", "build_tp_layer", "fused_LinearLayer",
+           "is_autotp_training_mode", "set_autotp_mode"]
 
 _training_mode = False
 
@@ -201,3 +201,4 @@ SubParamLinearLayer = refused_class("deepspeed.module_inject.layers.SubParamLine
 SubParamLinearAllreduce = refused_class("deepspeed.module_inject.layers.SubParamLinearAllreduce")
 EmbeddingLayer = refused_class("deepspeed.module_inject.layers.EmbeddingLayer")
 Normalize = refused_class("deepspeed.module_inject.layers.Normalize")
+fused_LinearLayer = refused_class("deepspeed.module_inject.layers.fused_LinearLayer")
