@@ -28,7 +28,8 @@ import importlib.metadata, os, subprocess, sys
 import deepspeed, zerotune
 assert deepspeed.initialize.__wrapped__ is zerotune.initialize
 grandchild = subprocess.run(
-    [sys.executable, "-c", "import deepspeed, zerotune; assert deepspeed.initialize.__wrapped__ is zerotune.initialize; "
+    [sys.executable, "-c", "import deepspeed, zerotune; "
+                           "assert deepspeed.initialize.__wrapped__ is zerotune.initialize; "
                            "print('grandchild ok')"], capture_output=True, text=True, timeout=240)
 print(f"rank {os.environ['RANK']}: {importlib.metadata.version('deepspeed')} {grandchild.stdout.strip()}"
       f"{grandchild.stderr[-2000:]}", flush=True)
@@ -155,7 +156,8 @@ def test_a_real_deepspeed_is_not_shadowed_without_force(clean: Venv, capsys) -> 
     assert main(["deepspeed-alias", "install", "--force", "--target", str(venv.site)]) == 0
     assert "shadowing the real DeepSpeed 0.16.0" in capsys.readouterr().out
     shadowed = venv.run("-c", "import importlib.metadata as m; v = m.version('deepspeed'); import deepspeed, zerotune; "
-                              "print(v, deepspeed.initialize.__wrapped__ is zerotune.initialize, hasattr(deepspeed, 'REAL'))")
+                              "print(v, deepspeed.initialize.__wrapped__ is zerotune.initialize, "
+                              "hasattr(deepspeed, 'REAL'))")
     assert shadowed.stdout.split() == [DEEPSPEED_VERSION, "True", "False"], shadowed.stderr
     main(["deepspeed-alias", "status", "--target", str(venv.site)])
     assert f"real DeepSpeed installed: DeepSpeed 0.16.0 at {venv.site / 'deepspeed'} (shadowed by the alias)" \
