@@ -119,6 +119,14 @@ def _world_checks() -> dict:
     split_engine, *_ = deepspeed.initialize(model=script_split, config=_config())
     split_trace = _train(split_engine, 4)
     assert isinstance(split_engine.module.linears[1], LinearLayer)
+    first_column = {"use_default_specs": False,
+                    "layer_specs": [{"patterns": [r"linears\.0\.weight$"], "partition_type": "column"}]}
+    column, *_ = deepspeed.initialize(model=Stack(), config=_config(partition_config=first_column))
+    weight = column.module.linears[0].weight  # the engine's own split: DeepSpeed's per-parameter hooks too
+    weight.gather_params([weight])
+    whole = tuple(weight.shape)
+    weight._tp_partition([weight])
+    assert whole == (HIDDEN, HIDDEN) and tuple(weight.shape) == (HIDDEN // 2, HIDDEN)
     state = split_engine._consolidated_16bit_state_dict()
     # every rank of a tp group must run the same batch
     fresh, *_ = deepspeed.initialize(model=Stack(), config=_config(partition_config=SKIP_ALL))

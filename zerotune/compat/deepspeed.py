@@ -21,7 +21,7 @@ from zerotune.compat.autotp_checkpoint_info import attach_universal_checkpoint_i
 from zerotune.compat.lr_schedules import add_tuning_arguments
 from zerotune.compat.refusals import refused_class
 from zerotune.compat.runtime import DeepSpeedConfig, DeepSpeedConfigError, DeepSpeedEngine
-from zerotune.compat.tp_layers import set_autotp_mode
+from zerotune.compat.tp_layers import attach_param_hooks, set_autotp_mode
 from zerotune.compat.tp_model_init import (
     TPModelInitArgs,
     check_tp_group,
@@ -85,6 +85,7 @@ def initialize(args: Any = None, model: torch.nn.Module | None = None, optimizer
     if engine.mesh.size("tp") > 1:  # DeepSpeed's schema of the split, read off zerotune's layouts
         attach_universal_checkpoint_info(engine.module)
     groups.adopt_engine_mesh(engine.mesh)
+    attach_param_hooks(engine.module)  # (DeepSpeed's layers carry param.gather_params; the engine built zerotune's)
     return result
 
 

@@ -38,8 +38,8 @@ from zerotune.parallel.tensor.mappings import group_world_size
 from zerotune.parallel.tensor.state_dict import gather_full_tensor
 
 __all__ = ["EmbeddingLayer", "LinearAllreduce", "LinearLayer", "LmHeadLinearAllreduce", "Normalize",
-           "SubParamLinearAllreduce", "SubParamLinearLayer", "build_tp_layer", "fused_LinearLayer",
-           "is_autotp_training_mode", "set_autotp_mode"]
+           "SubParamLinearAllreduce", "SubParamLinearLayer", "attach_param_hooks", "build_tp_layer",
+           "fused_LinearLayer", "is_autotp_training_mode", "set_autotp_mode"]
 
 _training_mode = False
 
@@ -99,10 +99,24 @@ def _adopt(layer: ColumnParallelLinear | RowParallelLinear, weight: nn.Parameter
         original.data = built.data
         if layout is not None:
             mark_tensor_parallel(original, layout)
-            hooks: Any = original  # DeepSpeed's per-parameter hooks (attributes torch does not declare)
-            hooks.gather_params = _ShardOps(layer.tp_group, gather=True)
-            hooks._tp_partition = _ShardOps(layer.tp_group, gather=False)
+            _set_hooks(original, layer.tp_group)
         setattr(layer, attribute, original)
+
+
+def _set_hooks(param: torch.Tensor, group: dist.ProcessGroup | None) -> None:
+    hooks: Any = param  # DeepSpeed's per-parameter hooks (attributes torch does not declare)
+    hooks.gather_params = _ShardOps(group, gather=True)
+    hooks._tp_partition = _ShardOps(group, gather=False)
+
+
+def attach_param_hooks(model: nn.Module) -> None:
+    """DeepSpeed's ``gather_params`` / ``_tp_partition`` on every sharded parameter of ``model``'s tensor-parallel
+    linears: the engine's AutoTP builds zerotune's layers, and DeepSpeed's layers carry these hooks."""
+    for module in model.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            for param in (module.weight, module.bias):
+                if param is not None and tp_layout_of(param) is not None and not hasattr(param, "gather_params"):
+                    _set_hooks(param, module.tp_group)
 
 
 class _DeepSpeedLayerType(type):
