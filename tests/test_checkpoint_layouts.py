@@ -71,6 +71,10 @@ GPT2_CASES = {
         2, lambda d: _config(2, 1, offload_optimizer={"device": "cpu"}), 2, lambda d: _config(2, 3, **_nvme(d))),
     "tp2xdp2-stage1 -> dp4-stage2": (
         4, lambda d: {**_config(2, 1), "tensor_parallel": {"autotp_size": 2}}, 4, lambda d: _config(4, 2)),
+    "tp2xdp2-stage3 -> dp4-stage2": (
+        4, lambda d: {**_config(2, 3), "tensor_parallel": {"autotp_size": 2}}, 4, lambda d: _config(4, 2)),
+    "dp2-stage1 -> tp2xdp2-stage3": (
+        2, lambda d: _config(2, 1), 4, lambda d: {**_config(2, 3), "tensor_parallel": {"autotp_size": 2}}),
 }
 
 

@@ -302,7 +302,7 @@ def test_a_pipeline_step_takes_the_slowest_stage_and_each_stage_all_reduces_its_
 
 
 def test_the_auto_layout_never_weighs_a_layout_the_engine_refuses() -> None:
-    """Tensor parallelism composes with ZeRO 0-2, pipelines with ZeRO 0-2 and offload at ZeRO 1 only: the plan
+    """Tensor parallelism composes with ZeRO 0-3, pipelines with ZeRO 0-2 and offload at ZeRO 1 only: the plan
     weighs what parallel/composition.py (the engine's rule) allows, so it cannot choose what initialize refuses."""
     from zerotune.parallel.composition import refusal
     from zerotune.plan.auto import Hardware, candidates
@@ -317,7 +317,8 @@ def test_the_auto_layout_never_weighs_a_layout_the_engine_refuses() -> None:
             layout = candidate.layout
             assert refusal(layout.stage, layout.offload_optimizer, tp, pp, sp) is None, candidate.describe()
             weighed.setdefault((tp, pp, sp), set()).add((layout.stage, layout.offload_optimizer))
-    assert weighed[(2, 1, 1)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu")}
+    assert weighed[(2, 1, 1)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none"), (2, "cpu"), (3, "none"),
+                                  (3, "cpu")}
     assert weighed[(1, 2, 1)] == {(0, "none"), (1, "none"), (1, "cpu"), (2, "none")}
     assert (3, "cpu") in weighed[(1, 1, 1)] and (3, "cpu") in weighed[(1, 1, 2)]
 
@@ -511,9 +512,9 @@ def test_a_sequence_parallel_plan_runs_a_share_of_each_sequence_and_shards_zero_
     assert code == 2 and "--seq-len 4094: sequence parallelism over 4 ranks needs a length it divides" in err, err
     code, _, err = plan(2, **{"pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}})
     assert code == 2 and "sequence_parallel_size: sequence parallelism together with pipeline" in err, err
-    tensor_parallel = tmp_path / "tp2.json"
-    tensor_parallel.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
-                                           "tensor_parallel": {"autotp_size": 2}, "zero_optimization": {"stage": 1}}))
-    assert main(["plan", str(tensor_parallel), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
+    pipelined = tmp_path / "pp2.json"
+    pipelined.write_text(json.dumps({"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                                     "pipeline": {"stages": 2}, "zero_optimization": {"stage": 1}}))
+    assert main(["plan", str(pipelined), "--model", str(EXAMPLES / "llama-2-7b"), "--world-size", "8",
                  "--zero-stage", "3"]) == 2  # the override is checked too
-    assert "zero_optimization.stage: 3 with tensor_parallel.autotp_size 2 is not supported yet" in capsys.readouterr().err
+    assert "zero_optimization.stage: 3 with pipeline parallelism is not supported yet" in capsys.readouterr().err

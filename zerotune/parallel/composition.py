@@ -24,9 +24,6 @@ def refusal(stage: int, offload_optimizer: str, tp: int, pp: int, sp: int) -> tu
         if sp > 1:
             return ("sequence_parallel_size", "sequence parallelism together with pipeline parallelism is not "
                     "supported yet")
-    if tp > 1 and stage == 3:
-        return ("zero_optimization.stage", f"3 with tensor_parallel.autotp_size {tp} is not supported yet: tensor "
-                "parallelism composes with ZeRO stages 0, 1 and 2 (as DeepSpeed's AutoTP training)")
     return None
 
 

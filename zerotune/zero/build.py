@@ -56,7 +56,7 @@ def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Para
     """The state of ``zero_optimization.stage`` over ``trainable`` (in ``groups``' optimizer groups); the model
     is cast to ``policy.param_dtype`` on the way. ``norm``: how the gradient norm spans tp / pp ranks."""
     zero = cfg.zero_optimization
-    # what composes with tp / pp / sp is parallel/composition.py's rule (a stage-3 state takes no model-parallel norm)
+    # what composes with tp / pp / sp is parallel/composition.py's rule
     check_composes(zero.stage, zero.offload_optimizer.device, mesh.size("tp"), mesh.size("pp"), mesh.size("sp"))
     group = mesh.group("dp_sp")  # the ranks holding the same parameters: gradients are averaged, ZeRO shards over them
     predivide = float(mesh.size("dp_sp")) if cfg.prescale_gradients else float(cfg.gradient_predivide_factor)
@@ -69,7 +69,7 @@ def build_zero_state(cfg: Any, groups: list[dict], trainable: list[torch.nn.Para
     placement = _master_placement(cfg, rank)
     if zero.stage == 3:
         return _build_stage3(zero, group_params, policy, group, model, predivide, placement, rank=rank,
-                             aio=AioSettings.from_config(cfg.aio), wire=wire)
+                             aio=AioSettings.from_config(cfg.aio), wire=wire, norm=norm)
     return _build_stage1_or_2(zero, group_params, trainable, policy, group, model, predivide, placement, compressor,
                               norm, wire)
 
@@ -154,13 +154,14 @@ def _master_placement(cfg: Any, rank: int) -> MasterPlacement:
 
 def _build_stage3(zero: Any, group_params: list[list[torch.nn.Parameter]], policy: PrecisionPolicy, group: Any,
                   model: torch.nn.Module, predivide: float, placement: MasterPlacement, *, rank: int,
-                  aio: AioSettings, wire: torch.dtype | None = None) -> Stage3State:
+                  aio: AioSettings, wire: torch.dtype | None = None, norm: ModelParallelNorm | None = None
+                  ) -> Stage3State:
     """Partition the model into units (hooks attached), masters from the fp32 shards, then cast.
 
     ``model.to(dtype)`` is not used: it would materialize every partitioned parameter's placeholder.
     """
     offload = zero.offload_param
-    state = Stage3State(group_params, policy, group, placement)
+    state = Stage3State(group_params, policy, group, placement, model_parallel_norm=norm)
     store = (SwapStore(Path(offload.nvme_path) / f"zerotune_params_rank{rank}", aio)
              if offload.device == "nvme" else None)
     pool = (SwapBufferPool(int(offload.buffer_count), int(offload.buffer_size), dtype=policy.param_dtype)

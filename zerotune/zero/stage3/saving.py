@@ -53,7 +53,7 @@ def iter_consolidated(module: torch.nn.Module, units: Sequence[ParamUnit], *, ex
             for param in unit.params:
                 for key in keys_of.get(id(param), []):
                     done.add(key)
-                    yield key, param.detach()
+                    yield key, gather_full_tensor(param, tp_group)
     for key, tensor in entries.items():  # buffers and anything not partitioned
         if key not in done and sharded_param_of(tensor) is None:
             yield key, gather_full_tensor(tensor, tp_group)

@@ -22,7 +22,7 @@ from zerotune.offload.master_placement import MasterPlacement
 from zerotune.precision.policy import PrecisionPolicy
 from zerotune.zero.contracts import ZeroStage
 from zerotune.zero.fragments import ParamFragments
-from zerotune.zero.grad_norm import global_grad_norm
+from zerotune.zero.grad_norm import ModelParallelNorm, global_grad_norm
 from zerotune.zero.held import HeldStateDict
 from zerotune.zero.pieces import HeldPiece, layout_pieces
 from zerotune.zero.stage3.schedule import UnitScheduler
@@ -55,9 +55,11 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
     _placement: MasterPlacement
 
     def __init__(self, trainable_groups: Sequence[Sequence[torch.nn.Parameter]], policy: PrecisionPolicy,
-                 group: dist.ProcessGroup | None, placement: MasterPlacement | None = None) -> None:
+                 group: dist.ProcessGroup | None, placement: MasterPlacement | None = None,
+                 model_parallel_norm: ModelParallelNorm | None = None) -> None:
         """Empty; ``add_unit`` each unit as it is built, then ``start_schedule`` (the masters of a unit are taken,
-        the unit cast and possibly swapped out before the next is built, so memory holds one at a time)."""
+        the unit cast and possibly swapped out before the next is built, so memory holds one at a time).
+        ``model_parallel_norm``: with tensor parallelism, how the gradient norm spans the tp ranks."""
         self.units: list[ParamUnit] = []
         self.policy = policy
         self._placement = placement or MasterPlacement()
@@ -68,6 +70,8 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
         self.master_flats: dict[int, torch.Tensor] = {}
         self._slots: list[tuple[int, ParamUnit | None, int, int]] = []  # (group, unit, lo, hi), one per master
         self.masters: list[torch.nn.Parameter] = []
+        self._model_norm = model_parallel_norm
+        self._norm_skip: list[list[tuple[int, int]]] = []  # per master: the ranges another tp rank counts
 
     def add_unit(self, unit: ParamUnit) -> None:
         """Take the unit's masters (its fp32 values, before the cast), then cast it to the model dtype."""
@@ -79,6 +83,7 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
                 if hi > lo:
                     self._slots.append((g, unit, lo, hi))
                     self.masters.append(torch.nn.Parameter(flat[lo:hi]))
+                    self._norm_skip.append(self._counted_elsewhere(unit, lo, hi))
             if self.separate:
                 slots = range(first, len(self._slots))
                 writers = [partial(self._write_shard, i) for i in slots]
@@ -96,6 +101,7 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
             if not any(slot[0] == g for slot in self._slots):
                 self._slots.append((g, None, 0, 0))
                 self.masters.append(torch.nn.Parameter(torch.zeros(0, dtype=torch.float32)))
+                self._norm_skip.append([])
         self._placement.enable_staging(self.masters, [hi - lo for _, _, lo, hi in self._slots])
         slots_of: dict[int, list[int]] = {}
         for index, (_, unit, _, _) in enumerate(self._slots):
@@ -195,15 +201,32 @@ class Stage3State(HeldStateDict, ParamFragments, ZeroStage):
         if segment.gathered:
             segment.release()
 
+    def _counted_elsewhere(self, unit: ParamUnit, lo: int, hi: int) -> list[tuple[int, int]]:
+        """The ranges of the master over ``[lo, hi)`` of ``unit``'s shard that another tp rank counts in the norm
+        (a tp-replicated LayerNorm or row bias: the same gradient on every tp rank)."""
+        if self._model_norm is None:
+            return []
+        segment = unit.trainable_segment()
+        start = segment.layout.owned_range(segment.rank)[0]
+        counted_here = self._model_norm.counted_here
+        return [(piece.flat_offset - start - lo, piece.flat_offset - start - lo + piece.length)
+                for piece in segment.layout.pieces_in(start + lo, start + hi)
+                if not counted_here(segment.params[piece.param])]
+
+    def _norm(self, grads: Sequence[torch.Tensor], skip: Sequence[list[tuple[int, int]]]) -> float:
+        model_groups = self._model_norm.groups if self._model_norm is not None else ()
+        return global_grad_norm(grads, shard_group=self.group, model_groups=model_groups,
+                                skip=skip if self._model_norm is not None else None)
+
     def grad_norm(self, grads: Sequence[torch.Tensor]) -> float:
-        return global_grad_norm(grads, shard_group=self.group)
+        return self._norm(grads, self._norm_skip)
 
     def group_grad_norms(self) -> list[float]:
         """The L2 norm of each optimizer param group's current gradient (a collective per group): what
         DeepSpeed's ``_get_norm_groups()`` reports, read between backward and step."""
         grads = self.master_grads()
-        return [global_grad_norm([grad for (g, *_), grad in zip(self._slots, grads) if g == group],
-                                 shard_group=self.group) for group in range(len(self._groups))]
+        chosen = [[i for i, (g, *_) in enumerate(self._slots) if g == group] for group in range(len(self._groups))]
+        return [self._norm([grads[i] for i in slots], [self._norm_skip[i] for i in slots]) for slots in chosen]
 
     def attach(self, grads: Sequence[torch.Tensor], coefficient: float = 1.0) -> None:
         self._placement.attach(self.masters, grads, coefficient)
