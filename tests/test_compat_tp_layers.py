@@ -121,12 +121,16 @@ def _world_checks() -> dict:
     assert isinstance(split_engine.module.linears[1], LinearLayer)
     first_column = {"use_default_specs": False,
                     "layer_specs": [{"patterns": [r"linears\.0\.weight$"], "partition_type": "column"}]}
-    column, *_ = deepspeed.initialize(model=Stack(), config=_config(partition_config=first_column))
+    column, *_ = deepspeed.initialize(model=Stack(), config={**_config(partition_config=first_column),
+                                                             "zero_optimization": {"stage": 2}})
     weight = column.module.linears[0].weight  # the engine's own split: DeepSpeed's per-parameter hooks too
+    shard_storage, shard_values = weight.data_ptr(), weight.detach().clone()
     weight.gather_params([weight])
     whole = tuple(weight.shape)
     weight._tp_partition([weight])
     assert whole == (HIDDEN, HIDDEN) and tuple(weight.shape) == (HIDDEN // 2, HIDDEN)
+    # back in its own storage (a view of ZeRO's flat buffer at stages 1-2), with its values
+    assert weight.data_ptr() == shard_storage and torch.equal(weight.detach(), shard_values)
     state = split_engine._consolidated_16bit_state_dict()
     # every rank of a tp group must run the same batch
     fresh, *_ = deepspeed.initialize(model=Stack(), config=_config(partition_config=SKIP_ALL))

@@ -42,6 +42,7 @@ __all__ = ["EmbeddingLayer", "LinearAllreduce", "LinearLayer", "LmHeadLinearAllr
            "fused_LinearLayer", "is_autotp_training_mode", "set_autotp_mode"]
 
 _training_mode = False
+_SHARD_STORAGE = "_zerotune_tp_shard_storage"  # a gathered parameter's shard tensor, until ``_tp_partition``
 
 
 def set_autotp_mode(training: bool = False) -> None:
@@ -72,9 +73,18 @@ class _ShardOps:
                 dim = layout.dim % param.dim()
                 whole = param.shape[dim] == layout.full_size
                 if self.gather and not whole:
+                    shard = param.data
                     param.data = gather_full_tensor(param, self.group).contiguous()
+                    setattr(param, _SHARD_STORAGE, shard)
                 elif not self.gather and whole and layout.world > 1:
-                    param.data = shard_tensor(param.data, layout)
+                    piece = shard_tensor(param.data, layout)
+                    storage = getattr(param, _SHARD_STORAGE, None)
+                    if storage is not None and storage.shape == piece.shape:
+                        # back into the shard's own storage: under ZeRO 1/2 it is a view of the flat buffer
+                        storage.copy_(piece)
+                        piece = storage
+                        delattr(param, _SHARD_STORAGE)
+                    param.data = piece
 
     def __deepcopy__(self, memo: dict) -> _ShardOps:
         return self
