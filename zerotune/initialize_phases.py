@@ -164,7 +164,7 @@ def place_model(setup: RunSetup, model: torch.nn.Module, guards: EngineGuards) -
     if not cut_here:  # (one to cut stays on the host until then: only this rank's stage goes to the device)
         model.to(env.device)
     if not setup.pipelined:
-        broadcast_from_rank0(model, shard_group=mesh.group("dp"))
+        broadcast_from_rank0(model, shard_group=mesh.group("dp_sp"))  # (the ranks holding the same tp shard)
         split_tensor_parallel(model, cfg, mesh, rank=env.rank)
         install_sequence_parallel(model, mesh, rank=env.rank)
         return PlacedModel(model, model, {}, None)
@@ -292,7 +292,7 @@ def broadcast_from_rank0(model: torch.nn.Module, staging: torch.device | None = 
     """Start every rank from rank 0's full weights and buffers (before tensor parallelism splits them).
 
     Parameters ``zero.Init`` partitioned were broadcast from rank 0 as they were built. Tensor-parallel shards a
-    script made already differ by tp rank: each comes from data-parallel rank 0 over ``shard_group`` (the
+    script made already differ by tp rank: each comes from the first rank of ``shard_group`` (the
     ranks holding the same shard; None: no other holder). ``staging``: a model kept on the host whose
     collectives need device tensors (NCCL) goes through that device one tensor at a time, so a model bigger
     than one device (cut into pipeline stages next) is never on it whole.
