@@ -126,6 +126,7 @@ DEEPSPEED_MODULES: dict[str, Mapped] = {
     "deepspeed.utils.comms_logging": Mapped("zerotune.distributed.comm_log", (
         "CommsLogger", "get_caller_func", "calc_bw_log", "convert_size")),
     "deepspeed.utils.timer": Mapped("zerotune.monitor.timers", ("trim_mean",)),
+    "deepspeed.utils.numa": Mapped("zerotune.compat.numa", ("parse_range_list", "get_numactl_cmd")),
     "deepspeed.utils.nvtx": Mapped("zerotune.compat.nvtx", ("instrument_w_nvtx", "enable_nvtx",
                                                            "DEEPSPEED_NVTX_DOMAIN")),
     # the pinned host memory zerotune's offload paths allocated (offload/pinned.py)
@@ -361,6 +362,7 @@ REFUSED_MODULES: dict[str, str] = {
 
 # Names refused when *called* (they live in modules that are otherwise supported).
 REFUSED_NAMES: dict[str, str] = {
+    "deepspeed.utils.numa.get_numactl_cmd": "binding ranks to cores (numactl; zerotune's launcher is torchrun)",
     "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPAttentionHF": _ALST_FLOW,
     "deepspeed.runtime.sequence_parallel.ulysses_sp.UlyssesSPDataLoaderAdapter": _ALST_FLOW,
     "deepspeed.runtime.bf16_optimizer.BF16_Optimizer": "DeepSpeed's bf16 optimizer wrapper (zerotune's bf16 masters "
