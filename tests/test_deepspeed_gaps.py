@@ -154,6 +154,10 @@ def test_what_deepspeeds_own_test_harness_reads(alias) -> None:
     with pytest.raises(ImportError, match="the compiled op 'transformer_inference'"):
         InferenceBuilder().load()
     assert required_torch_version(min_version=1.8) and not required_torch_version(min_version=99)
+    from deepspeed.ops.op_builder import OpBuilder  # (test_onebit.py gates on it at import)
+
+    assert OpBuilder.installed_rocm_version() == ((0, 0) if not torch.version.hip else
+                                                  tuple(int(x) for x in torch.version.hip.split(".")[:2]))
     assert required_torch_version(max_version=torch.__version__.split("+")[0])
 
 

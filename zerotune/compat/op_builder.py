@@ -62,6 +62,16 @@ class OpBuilder:
     def jit_load(self, verbose: bool = True) -> Any:
         return self.load(verbose)
 
+    @staticmethod
+    def installed_rocm_version() -> tuple[int, int]:
+        """(major, minor) of the ROCm torch was built with, (0, 0) without: tests and tools gate ROCm-only paths
+        on it. zerotune builds no ops, so this is torch's own ``torch.version.hip``."""
+        hip = getattr(torch.version, "hip", None)
+        parts = str(hip).split(".") if hip else []
+        if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+            return int(parts[0]), int(parts[1])
+        return 0, 0
+
     def builder(self) -> None:
         raise DeepSpeedFeatureNotSupported(self.absolute_name(), f"building the op '{self.name}' (zerotune compiles "
                                                                   "no extensions)")
