@@ -149,18 +149,19 @@ class PreferenceObjective:
         sums = torch.zeros(7, dtype=torch.float64, device=engine.device)
         for batch in loader:
             batch = {key: value.to(engine.device) for key, value in batch.items()}
-            result = self.batch_loss(engine, batch)
-            rows = len(result.chosen_rewards) + (len(result.rejected_rewards) if self.kind == "kto" else 0)
-            correct = (result.chosen_rewards > result.rejected_rewards).sum().item() if self.kind != "kto" else 0
-            sums += torch.tensor([result.loss.item() * rows, rows, result.chosen_rewards.sum().item(),
-                                  len(result.chosen_rewards), result.rejected_rewards.sum().item(),
-                                  len(result.rejected_rewards), correct], dtype=torch.float64, device=engine.device)
+            scored = self.batch_loss(engine, batch)
+            chosen, rejected = scored.chosen_rewards, scored.rejected_rewards
+            rows = len(chosen) + (len(rejected) if self.kind == "kto" else 0)
+            correct = (chosen > rejected).sum().item() if self.kind != "kto" else 0
+            sums += torch.tensor([scored.loss.item() * rows, rows, chosen.sum().item(), len(chosen),
+                                  rejected.sum().item(), len(rejected), correct],
+                                 dtype=torch.float64, device=engine.device)
         comm.all_reduce(sums, engine.mesh.group("dp"))
         loss_sum, rows, chosen_sum, chosen_count, rejected_sum, rejected_count, correct = sums.tolist()
-        chosen = chosen_sum / max(chosen_count, 1)
-        rejected = rejected_sum / max(rejected_count, 1)
-        result = {"loss": loss_sum / max(rows, 1), "chosen_reward": chosen, "rejected_reward": rejected,
-                  "reward_margin": chosen - rejected}
+        chosen_mean = chosen_sum / max(chosen_count, 1)
+        rejected_mean = rejected_sum / max(rejected_count, 1)
+        result = {"loss": loss_sum / max(rows, 1), "chosen_reward": chosen_mean, "rejected_reward": rejected_mean,
+                  "reward_margin": chosen_mean - rejected_mean}
         if self.kind != "kto":
             result["reward_accuracy"] = correct / max(chosen_count, 1)
         if was_training:

@@ -184,7 +184,7 @@ def _turns(value: Any, index: int, key: str, where: str) -> Turns:
     """Chat turns as role/content or ShareGPT from/value objects -> [{role, content}]."""
     if not isinstance(value, list) or not value:
         raise DataError(f"{where} row {index}: {key!r} is {value!r}; it must be a non-empty list of turns")
-    turns = []
+    turns: Turns = []
     for position, turn in enumerate(value):
         if not isinstance(turn, dict):
             raise DataError(f"{where} row {index}: {key}[{position}] is {turn!r}; it must be a turn object")
@@ -199,5 +199,5 @@ def _turns(value: Any, index: int, key: str, where: str) -> Turns:
                             f"expected one of {', '.join(CHAT_ROLES)} (or ShareGPT's {', '.join(SHAREGPT_ROLES)})")
         if not isinstance(content, str):
             raise DataError(f"{where} row {index}: {key}[{position}] has no text content")
-        turns.append({"role": role, "content": content})
+        turns.append({"role": str(role), "content": content})
     return turns
