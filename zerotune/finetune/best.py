@@ -11,11 +11,24 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from zerotune.finetune.recipe_sections import TrainSection
+from zerotune.finetune.recipe_sections import Recipe, TrainSection
 
-METRICS = {"causal-lm": ("loss", "perplexity"), "sequence-classification": ("accuracy", "macro_f1", "loss")}
-DEFAULT_METRIC = {"causal-lm": "loss", "sequence-classification": "accuracy"}
-HIGHER_IS_BETTER = ("accuracy", "macro_f1")
+_REWARDS = ("reward_margin", "chosen_reward", "rejected_reward")
+METRICS = {"causal-lm": ("loss", "perplexity"), "sequence-classification": ("accuracy", "macro_f1", "loss"),
+           "preference": ("loss", "reward_accuracy", *_REWARDS), "kto": ("loss", *_REWARDS),
+           "reward": ("loss", "reward_accuracy", *_REWARDS)}
+"""The eval metrics of each kind of evaluation (``evaluation_kind``)."""
+DEFAULT_METRIC = {"causal-lm": "loss", "sequence-classification": "accuracy", "preference": "loss", "kto": "loss",
+                  "reward": "reward_accuracy"}
+HIGHER_IS_BETTER = ("accuracy", "macro_f1", "reward_accuracy", "reward_margin", "chosen_reward")
+
+
+def evaluation_kind(recipe: Recipe) -> str:
+    """What a recipe's evaluation measures: its task's metrics, or a preference objective's rewards."""
+    objective = recipe.objective.type
+    if objective == "sft":
+        return recipe.task
+    return {"kto": "kto", "reward": "reward"}.get(objective, "preference")
 BEST_DIR = "best"
 """Under the run's output directory: the best evaluation's checkpoint (tag ``best``), apart from the
 periodic ones so their retention never deletes it."""
@@ -50,10 +63,11 @@ class BestTracker:
         return asdict(self)
 
 
-def tracker_for(task: str, train: TrainSection) -> BestTracker | None:
-    """The recipe's tracker, or None when it asks for neither the best model nor early stopping."""
+def tracker_for(kind: str, train: TrainSection) -> BestTracker | None:
+    """The recipe's tracker (``kind``: its ``evaluation_kind``), or None when it asks for neither the best model
+    nor early stopping."""
     if not train.load_best_model_at_end and train.early_stopping_patience is None:
         return None
-    metric = train.metric_for_best_model or DEFAULT_METRIC[task]
+    metric = train.metric_for_best_model or DEFAULT_METRIC[kind]
     greater = train.greater_is_better if train.greater_is_better is not None else metric in HIGHER_IS_BETTER
     return BestTracker(metric, greater, train.early_stopping_patience, train.early_stopping_min_delta)

@@ -36,7 +36,7 @@ from zerotune.finetune.formats import to_canonical
 
 __all__ = [
     "BUNDLED_CAUSAL_LM", "BUNDLED_CLASSIFICATION", "DataError", "DataSpec", "check_num_labels",
-    "load_causal_lm_data", "load_chatterbot_qa", "load_classification_data", "load_files",
+    "load_causal_lm_data", "load_chatterbot_qa", "load_preference_data", "load_classification_data", "load_files",
 ]
 
 BUNDLED_CLASSIFICATION = ("rotten_tomatoes",)
@@ -137,6 +137,37 @@ def load_causal_lm_data(
                             f"{', '.join(evaluation.column_names)} but the train data as "
                             f"{', '.join(train.column_names)}")
         train, evaluation = _split(train, evaluation, spec)
+    return _truncate(train, spec.max_train_samples, spec.seed), _truncate(evaluation, spec.max_eval_samples, spec.seed)
+
+
+@quiet_datasets()
+def load_preference_data(spec: DataSpec, *, unpaired: bool = False) -> tuple[datasets.Dataset, datasets.Dataset]:
+    """Train and eval sets of preference rows (``preference/pairs.py``): ``prompt`` turns with ``chosen`` and
+    ``rejected`` answers, or, ``unpaired`` (KTO), ``completion`` and a desirable ``label``.
+
+    The bundled chat data becomes pairs whose chosen answer is the question's own and whose rejected
+    answer belongs to another question (``pairs_from_answers``)."""
+    from zerotune.finetune.preference.pairs import pairs_from_answers, to_pairs, to_unpaired
+
+    _check_spec(spec, BUNDLED_CAUSAL_LM)
+    if spec.bundled:
+        qa = load_chatterbot_qa()
+        full = pairs_from_answers([q for q, _ in qa], [a for _, a in qa], spec.seed)
+        train, evaluation = _split(full, None, spec)
+        train, evaluation = (_truncate(train, spec.max_train_samples, spec.seed),
+                             _truncate(evaluation, spec.max_eval_samples, spec.seed))
+        if unpaired:
+            train, evaluation = to_unpaired(train, ["bundled"]), to_unpaired(evaluation, ["bundled"])
+        return train, evaluation
+    convert = to_unpaired if unpaired else to_pairs
+
+    def canonical(role: str) -> datasets.Dataset:
+        rows, sources = _rows(spec, role)
+        return convert(rows, sources)
+
+    train = canonical("train")
+    evaluation = canonical("eval") if _has_eval(spec) else None
+    train, evaluation = _split(train, evaluation, spec)
     return _truncate(train, spec.max_train_samples, spec.seed), _truncate(evaluation, spec.max_eval_samples, spec.seed)
 
 

@@ -114,6 +114,14 @@ class LoopSettings:
     """The best evaluation so far and early stopping (``best.py``); its state rides in ``client_state``."""
     best_dir: Path | None = None
     """Where the best evaluation's checkpoint goes (tag ``best``), when the run keeps it."""
+    forward_loss: Callable[[Any, dict], tuple[torch.Tensor, dict[str, float]]] | None = None
+    """A micro-batch's loss and the metrics it reports (a preference objective's rewards); None: the model's
+    own loss (supervised fine-tuning)."""
+
+
+def model_loss(engine: Any, batch: dict) -> tuple[torch.Tensor, dict[str, float]]:
+    """Supervised fine-tuning's loss: the one the model computes from the batch's labels."""
+    return engine(**batch).loss, {}
 
 
 def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], settings: LoopSettings,
@@ -134,7 +142,9 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
         raise TypeError(f"the training loader's sampler is a {type(sampler).__name__}; train() takes the loader "
                         "train_loader() builds (a DistributedSampler, reshuffled each epoch)")
     clock = TrainingClock()
+    forward_loss = settings.forward_loss or model_loss
     samples, window_loss, window_steps, step_loss = 0, 0.0, 0, 0.0
+    step_metrics: dict[str, float] = {}
     engine.train()
     while engine.global_steps < settings.total_steps:
         sampler.set_epoch(epoch)
@@ -142,7 +152,9 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
             if index < skip:
                 continue
             batch = {k: v.to(engine.device) for k, v in batch.items()}
-            loss = engine(**batch).loss
+            loss, reported = forward_loss(engine, batch)
+            for name, value in reported.items():
+                step_metrics[name] = step_metrics.get(name, 0.0) + value / gas
             engine.backward(loss)
             boundary = engine.is_gradient_accumulation_boundary()
             applied_lr = engine.get_lr()[0]  # what this step trains with (the scheduler moves on in step())
@@ -155,8 +167,8 @@ def train(engine: Any, loader: DataLoader, evaluate_fn: Callable[[], dict], sett
             window_steps += 1
             step = engine.global_steps
             throughput = samples / clock.training_seconds()
-            metrics.write({"split": "step", "step": step, "loss": step_loss, "lr": applied_lr})
-            step_loss = 0.0
+            metrics.write({"split": "step", "step": step, "loss": step_loss, "lr": applied_lr, **step_metrics})
+            step_loss, step_metrics = 0.0, {}
             if progress is not None:
                 progress.update(1)
                 progress.set_postfix(loss=f"{window_loss / window_steps:.4f}", lr=f"{applied_lr:.2e}",

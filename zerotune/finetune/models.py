@@ -104,10 +104,10 @@ def load_model(path: Path, task: str, num_labels: int | None = None, label_names
     loading = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, **quantized}
     try:
         if task == "sequence-classification":
-            id2label = {i: name for i, name in enumerate(label_names)} if label_names else None
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, num_labels=num_labels, id2label=id2label,
-                label2id={name: i for i, name in id2label.items()} if id2label else None, **loading)
+            names = {"id2label": dict(enumerate(label_names)),
+                     "label2id": {name: i for i, name in enumerate(label_names)}} if label_names else {}
+            model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, **names,
+                                                                       **loading)
             return _keep_quantized_weights_as_loaded(model) if quantized else model
         model = AutoModelForCausalLM.from_pretrained(path, **loading)
         return _keep_quantized_weights_as_loaded(model) if quantized else drop_quantizer(model)

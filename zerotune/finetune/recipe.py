@@ -54,7 +54,8 @@ from zerotune.finetune.recipe_sections import (
     Recipe,
 )
 
-BUNDLED_RECIPES = {"default": "default_classification.yaml", "smollm2-lora": "smollm2_lora.yaml"}
+BUNDLED_RECIPES = {"default": "default_classification.yaml", "smollm2-lora": "smollm2_lora.yaml",
+                   "smollm2-dpo": "smollm2_dpo.yaml"}
 
 
 def bundled_recipe_path(name: str) -> Path:

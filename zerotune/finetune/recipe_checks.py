@@ -8,7 +8,7 @@ should change (exactly one of ``epochs`` / ``max_steps``, options of another met
 from __future__ import annotations
 
 from zerotune.config.errors import ConfigError
-from zerotune.finetune.recipe_sections import METHOD_OPTIONS, Recipe
+from zerotune.finetune.recipe_sections import METHOD_OPTIONS, OBJECTIVE_OPTIONS, Recipe
 
 
 class RecipeError(ConfigError):
@@ -32,6 +32,7 @@ def check_recipe(recipe: Recipe) -> None:
     _check_best(recipe)
     _check_data(recipe)
     _check_method(recipe)
+    _check_objective(recipe)
     _check_task(recipe)
     _check_launch(recipe)
 
@@ -48,7 +49,7 @@ def _check_train(recipe: Recipe) -> None:
 
 
 def _check_best(recipe: Recipe) -> None:
-    from zerotune.finetune.best import METRICS
+    from zerotune.finetune.best import METRICS, evaluation_kind
 
     train = recipe.train
     wanted = [key for key in ("load_best_model_at_end", "early_stopping_patience") if key in train.model_fields_set
@@ -57,9 +58,11 @@ def _check_best(recipe: Recipe) -> None:
         raise RecipeError("train.eval_every", f"train.{wanted[0]} needs evaluations during training: set "
                                               "train.eval_every to a number of optimizer steps")
     metric = train.metric_for_best_model
-    if metric is not None and metric not in METRICS[recipe.task]:
-        raise RecipeError("train.metric_for_best_model", f"{metric!r} is not an eval metric of task {recipe.task!r}; "
-                                                         f"expected one of {', '.join(METRICS[recipe.task])}")
+    kind = evaluation_kind(recipe)
+    if metric is not None and metric not in METRICS[kind]:
+        what = f"task {recipe.task!r}" if kind == recipe.task else f"objective.type {recipe.objective.type!r}"
+        raise RecipeError("train.metric_for_best_model", f"{metric!r} is not an eval metric of {what}; "
+                                                         f"expected one of {', '.join(METRICS[kind])}")
 
 
 def _check_data(recipe: Recipe) -> None:
@@ -107,6 +110,35 @@ def _check_method(recipe: Recipe) -> None:
     if method.type == "freeze" and method.trainable_layers is None and method.trainable_modules is None:
         raise RecipeError("method.trainable_layers", "freeze tuning trains nothing unless method.trainable_layers "
                                                      "(the last N blocks) or method.trainable_modules is set")
+
+
+def _check_objective(recipe: Recipe) -> None:
+    objective = recipe.objective
+    for option in sorted(objective.model_fields_set - {"type"}):
+        owners = [owner for owner, options in OBJECTIVE_OPTIONS.items() if option in options]
+        if objective.type not in owners:
+            raise RecipeError(f"objective.{option}", f"a {' / '.join(owners)} option, but objective.type is "
+                                                     f"{objective.type!r}; remove it or set objective.type={owners[0]}")
+    if objective.type == "sft":
+        return
+    if recipe.task != "causal-lm":
+        raise RecipeError("objective.type", f"{objective.type} trains a causal LM (task: causal-lm); task is "
+                                            f"{recipe.task!r}")
+    if recipe.data.packing:
+        raise RecipeError("data.packing", f"not with objective.type {objective.type}: a preference batch scores "
+                                          "whole answers one per row; set data.packing: false")
+    for key in ("prompt_column", "response_column", "format", "text_column"):
+        if key in recipe.data.model_fields_set:
+            raise RecipeError(f"data.{key}", f"an SFT data option; objective.type {objective.type} reads preference "
+                                             "rows (prompt/chosen/rejected and the other documented layouts); "
+                                             "remove it")
+    if objective.type == "reward" and recipe.method.type == "prefix":
+        raise RecipeError("method.type", "prefix tuning with objective.type reward: the reward head is a sequence "
+                                         "classifier, which peft's prefix tuning does not train here; use lora or "
+                                         "full")
+    if objective.type == "reward" and "eval_samples" in recipe.train.model_fields_set and recipe.train.eval_samples:
+        raise RecipeError("train.eval_samples", "a reward model scores answers and generates none; set 0 or remove "
+                                                "it")
 
 
 _TASK_ONLY = {

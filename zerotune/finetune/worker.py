@@ -21,9 +21,15 @@ import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
-from zerotune.finetune.best import BEST_DIR, BestTracker, tracker_for
+from zerotune.finetune.best import BEST_DIR, BestTracker, evaluation_kind, tracker_for
 from zerotune.finetune.console import quiet_libraries
-from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
+from zerotune.finetune.data import (
+    DataSpec,
+    check_num_labels,
+    load_causal_lm_data,
+    load_classification_data,
+    load_preference_data,
+)
 from zerotune.finetune.interrupt import CHECKPOINTS, leave_quietly_on_interrupt
 from zerotune.finetune.models import (
     apply_method,
@@ -40,6 +46,9 @@ from zerotune.finetune.packing import (
     packed_collator,
     prepare_for_packing,
 )
+from zerotune.finetune.preference.batches import tokenize_pairs, tokenize_unpaired
+from zerotune.finetune.preference.objective import PreferenceObjective, precompute_reference
+from zerotune.finetune.preference.pairs import preference_prompts
 from zerotune.finetune.recipe import RecipeError, load_recipe, recipe_engine_config
 from zerotune.finetune.recipe_engine import fit_engine_to_run
 from zerotune.finetune.samples import EvalSamples, sample_conversations
@@ -73,6 +82,9 @@ def check_recipe_inputs(recipe) -> list[str]:
     GGUF model this also dequantizes it into the cache once, before any rank starts.
     """
     model_path = resolve_model_path(recipe.model.name_or_path)
+    if recipe.objective.type != "sft":
+        load_preference_data(_data_spec(recipe), unpaired=recipe.objective.type == "kto")
+        return []
     if recipe.task == "causal-lm":
         _load_causal_lm(recipe)
         model_class = causal_lm_class(model_path, recipe.model.trust_remote_code) if recipe.data.packing else None
@@ -112,6 +124,11 @@ def load_task_data(recipe, tokenizer) -> tuple:
     only; its label names are empty.
     """
     max_length = recipe.data.max_length
+    if recipe.objective.type != "sft":
+        unpaired = recipe.objective.type == "kto"
+        tokenize = tokenize_unpaired if unpaired else tokenize_pairs
+        train_rows, eval_rows = load_preference_data(_data_spec(recipe), unpaired=unpaired)
+        return tokenize(train_rows, tokenizer, max_length), tokenize(eval_rows, tokenizer, max_length), [], eval_rows
     if recipe.task == "causal-lm":
         train_set, eval_set = _load_causal_lm(recipe)
         return (tokenize_causal_lm(train_set, tokenizer, max_length),
@@ -121,9 +138,12 @@ def load_task_data(recipe, tokenizer) -> tuple:
             tokenize_classification(eval_set, tokenizer, max_length), label_names, eval_set)
 
 
-def _headline(task: str, result: dict) -> float:
-    """The one number ``summary.json`` reports before and after: accuracy, or the held-out answer loss."""
-    return result["loss"] if task == "causal-lm" else result["accuracy"]
+HEADLINES = {"causal-lm": ("eval_loss", "loss", "answer loss"), "sequence-classification": ("accuracy", "accuracy",
+             "accuracy"), "preference": ("reward_margin", "reward_margin", "reward margin"),
+             "kto": ("reward_margin", "reward_margin", "reward margin"),
+             "reward": ("reward_accuracy", "reward_accuracy", "pair accuracy")}
+"""Per evaluation kind: the name ``summary.json`` gives its one before / after number, the eval metric it is,
+and how the closing line calls it."""
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -147,19 +167,25 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = load_tokenizer(model_path, recipe.model.trust_remote_code)
     train_set, eval_set, label_names, eval_rows = load_task_data(recipe, tokenizer)
     bits = recipe.method.bits if recipe.method.type == "qlora" else None
-    model = load_model(model_path, recipe.task, len(label_names), label_names, quantize_bits=bits,
-                       dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code)
+    objective_type = recipe.objective.type
+    # a reward model is the causal LM's body under a one-output sequence-classification head
+    model_task = "sequence-classification" if objective_type == "reward" else recipe.task
+    model = load_model(model_path, model_task, 1 if objective_type == "reward" else len(label_names), label_names,
+                       quantize_bits=bits, dtype=recipe.model.dtype, trust_remote_code=recipe.model.trust_remote_code)
+    if objective_type == "reward":
+        model.config.pad_token_id = tokenizer.pad_token_id  # the head scores each sequence's last real token
     if recipe.data.packing:
         prepare_for_packing(model)
         unpacked = len(train_set)
         train_set = pack_examples(train_set, recipe.data.max_length)
         log_rank0("data.packing: %d training examples in %d rows of up to %d tokens", unpacked, len(train_set),
                   recipe.data.max_length, rank=env.rank)
-    model = apply_method(model, recipe.task, recipe.method)
+    model = apply_method(model, model_task, recipe.method)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
     counts = (sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()))
 
-    collate = make_collator(tokenizer, recipe.task)
+    objective = None if objective_type == "sft" else PreferenceObjective.from_recipe(recipe.objective, model)
+    collate = objective.collator(tokenizer.pad_token_id) if objective else make_collator(tokenizer, recipe.task)
     world = env.world_size
     train_collate = packed_collator(tokenizer.pad_token_id) if recipe.data.packing else collate
     loader = loop.train_loader(train_set, train_collate, recipe.train.micro_batch_size, recipe.train.seed, env.rank,
@@ -169,23 +195,39 @@ def run(args: argparse.Namespace) -> dict:
     fit_engine_to_run(config, str(output))
     engine, *_ = zerotune.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                      config=config)
+    if objective is not None and objective.precomputes_reference:
+        log_rank0("objective %s: computing the reference model's log-probs once (%d train + %d eval rows)",
+                  objective_type, len(train_set), len(eval_set), rank=env.rank)
+        train_set = precompute_reference(engine, objective, train_set, tokenizer.pad_token_id,
+                                         2 * recipe.train.micro_batch_size)
+        eval_set = precompute_reference(engine, objective, eval_set, tokenizer.pad_token_id,
+                                        2 * recipe.train.micro_batch_size)
+        loader = loop.train_loader(train_set, train_collate, recipe.train.micro_batch_size, recipe.train.seed,
+                                   env.rank, world)
     evaluation = loop.eval_loader(eval_set, collate, 2 * recipe.train.micro_batch_size, env.rank, world)
 
     samples = None
-    if recipe.task == "causal-lm" and (recipe.train.eval_samples or recipe.train.sample_prompts):
-        samples = EvalSamples(sample_conversations(eval_rows, recipe.train.sample_prompts, recipe.train.eval_samples),
-                              tokenizer, recipe.train.sample_max_new_tokens,
+    if recipe.task == "causal-lm" and objective_type != "reward" and (recipe.train.eval_samples
+                                                                      or recipe.train.sample_prompts):
+        conversations = (sample_conversations(eval_rows, recipe.train.sample_prompts, recipe.train.eval_samples)
+                         if objective is None else preference_prompts(eval_rows, recipe.train.sample_prompts,
+                                                                      recipe.train.eval_samples))
+        samples = EvalSamples(conversations, tokenizer, recipe.train.sample_max_new_tokens,
                               output / SAMPLES if env.rank == 0 else None)
 
     def evaluate() -> dict:
-        result = loop.evaluate(engine, evaluation, recipe.task, len(label_names))
+        if objective is not None:
+            result = objective.evaluate(engine, evaluation)
+        else:
+            result = loop.evaluate(engine, evaluation, recipe.task, len(label_names))
         if samples is not None:
             samples(engine, engine.global_steps)
         return result
 
     metrics = loop.MetricsLog(output / "metrics.jsonl" if env.rank == 0 else None, engine.monitor)
     checkpoint_dir = output / CHECKPOINTS
-    tracker = tracker_for(recipe.task, recipe.train)
+    kind = evaluation_kind(recipe)
+    tracker = tracker_for(kind, recipe.train)
     before = None
     if args.resume:
         path, client_state = engine.resume_newest_checkpoint(str(checkpoint_dir))
@@ -210,7 +252,8 @@ def run(args: argparse.Namespace) -> dict:
     settings = loop.LoopSettings(total_steps, recipe.train.log_every, recipe.train.eval_every, recipe.train.save_every,
                                  checkpoint_dir, client_state={"before": before},
                                  exclude_frozen=any(not p.requires_grad for p in model.parameters()), tracker=tracker,
-                                 best_dir=output / BEST_DIR if recipe.train.load_best_model_at_end else None)
+                                 best_dir=output / BEST_DIR if recipe.train.load_best_model_at_end else None,
+                                 forward_loss=objective.loss if objective is not None else None)
     throughput = loop.train(engine, loader, evaluate, settings, metrics, progress)
     if progress is not None:
         progress.close()
@@ -230,20 +273,20 @@ def run(args: argparse.Namespace) -> dict:
                   "stopped_early": stopped_early, "result_is_best_model": recipe.train.load_best_model_at_end}
     peaks = comm.all_gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, engine.mesh.group("dp"))
     model_state = comm.all_gather_object(sum(engine.memory_breakdown().values()) / 2**20, engine.mesh.group("dp"))
-    metric = "eval_loss" if recipe.task == "causal-lm" else "accuracy"
-    summary = {"metric": metric, "before": _headline(recipe.task, before), "after": _headline(recipe.task, after),
+    metric, eval_metric, headline = HEADLINES[kind]
+    summary = {"metric": metric, "before": before[eval_metric], "after": after[eval_metric],
                "before_eval": before, "after_eval": after, "steps": engine.global_steps,
                "wall_seconds": time.perf_counter() - started, "samples_per_s": throughput["samples_per_s"],
                "peak_memory_mib_per_rank": peaks, "model_state_mib_per_rank": model_state,
                "trainable_parameters": counts[0], "total_parameters": counts[1],
                "train_seconds": throughput["train_seconds"], "task": recipe.task, "method": recipe.method.type,
                "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage(),
+               "objective": objective_type,
                "quantize_bits": bits, **policy}
     save_trained_model(engine, tokenizer, output, merge=args.merge)
     if env.rank == 0:
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
-        what = "answer loss" if recipe.task == "causal-lm" else "accuracy"
-        print(f"{what} on the held-out split: {summary['before']:.3f} before -> {summary['after']:.3f} after "
+        print(f"{headline} on the held-out split: {summary['before']:.3f} before -> {summary['after']:.3f} after "
               f"{summary['steps']} steps ({summary['wall_seconds']:.0f} s); model and metrics in {output}")
     comm.barrier()  # no rank leaves (and tears down its process group) while rank 0 is still writing
     engine.destroy()

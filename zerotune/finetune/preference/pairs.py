@@ -112,6 +112,14 @@ def pairs_from_answers(questions: list[str], answers: list[str], seed: int) -> d
     return datasets.Dataset.from_dict({"prompt": prompts, "chosen": chosen, "rejected": rejected})
 
 
+def preference_prompts(rows: datasets.Dataset, prompts: list[str] | None, count: int) -> list[Turns]:
+    """The conversations answered at each evaluation of a preference run: ``prompts`` as single user turns,
+    else the first ``count`` eval rows' prompts."""
+    if prompts is not None:
+        return [[{"role": "user", "content": prompt}] for prompt in prompts]
+    return [list(rows[index]["prompt"]) for index in range(min(count, len(rows)))]
+
+
 def _pair(row: dict[str, Any], columns: set[str], index: int, where: str) -> tuple[Turns, str, str]:
     if "prompt" in columns or "question" in columns or "instruction" in columns:
         prompt = _prompt_of(row, columns, index, where)
