@@ -104,7 +104,7 @@ def load_model(path: Path, task: str, num_labels: int | None = None, label_names
     loading = {"dtype": DTYPES[dtype], "trust_remote_code": trust_remote_code, **quantized}
     try:
         if task == "sequence-classification":
-            names = {"id2label": dict(enumerate(label_names)),
+            names: dict[str, Any] = {"id2label": dict(enumerate(label_names)),
                      "label2id": {name: i for i, name in enumerate(label_names)}} if label_names else {}
             model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=num_labels, **names,
                                                                        **loading)
