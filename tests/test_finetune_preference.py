@@ -310,3 +310,27 @@ def test_finetune_moves_the_reward_margin_on_two_ranks(tmp_path, llama_dir, obje
     if objective["type"] in ("dpo", "orpo"):
         assert final["reward_accuracy"] >= 0.75, final
     assert (tmp_path / "run" / "adapter" if method["type"] == "lora" else tmp_path / "run" / "model").is_dir()
+
+
+@pytest.mark.slow
+def test_compare_methods_compares_dpo_orpo_and_simpo_on_the_same_pairs(tmp_path, llama_dir) -> None:
+    import os
+    import subprocess
+    import sys
+
+    recipe = _recipe(tmp_path, llama_dir, {"type": "dpo"}, stage=2)
+    out = tmp_path / "compare"
+    done = subprocess.run([sys.executable, "-m", "zerotune.cli.main", "compare-methods", str(recipe), "--objectives",
+                           "dpo,orpo,simpo", "--output-dir", str(out), "--set", "train.max_steps=8",
+                           "--set", "launch.nproc_per_node=1"], capture_output=True, text=True, timeout=900,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads((out / "compare.json").read_text())
+    rows = {row["method"]: row for row in result["rows"]}
+    assert set(rows) == {"dpo", "orpo", "simpo"} and result["metric"] == "reward_accuracy"
+    assert result["compared"] == "objective.type" and rows["dpo"]["model_state_pct_of_full"] == 100.0
+    assert all(0.0 <= row["final_metric"] <= 1.0 for row in rows.values())
+    assert "| objective | model state / rank MiB (% of dpo)" in done.stdout
+    for name in rows:
+        summary = json.loads((out / name / "summary.json").read_text())
+        assert summary["objective"] == name

@@ -39,20 +39,24 @@ class MethodRun:
     error: str | None = None
 
 
-def finetune_command(recipe: str | None, method: str, output: Path, overrides: list[str]) -> list[str]:
+def finetune_command(recipe: str | None, method: str, output: Path, overrides: list[str],
+                     switched: str = "method.type") -> list[str]:
+    """The ``zerotune finetune`` command of one compared run: ``switched`` (``method.type``, or ``objective.type``
+    when comparing preference objectives) set to ``method``."""
     command = [sys.executable, "-m", "zerotune.cli.main", "finetune", *([recipe] if recipe else []),
-               "--output-dir", str(output), "--set", f"method.type={method}"]
+               "--output-dir", str(output), "--set", f"{switched}={method}"]
     for override in overrides:
         command += ["--set", override]
     return command
 
 
-def run_method(recipe: str | None, method: str, output: Path, overrides: list[str], metric: str) -> MethodRun:
+def run_method(recipe: str | None, method: str, output: Path, overrides: list[str], metric: str,
+               switched: str = "method.type") -> MethodRun:
     """Fine-tune with ``method``; its console output goes to ``output/finetune.log``."""
     output.mkdir(parents=True, exist_ok=True)
     log = output / "finetune.log"
     with open(log, "w") as handle:
-        done = subprocess.run(finetune_command(recipe, method, output, overrides), stdout=handle,
+        done = subprocess.run(finetune_command(recipe, method, output, overrides, switched), stdout=handle,
                               stderr=subprocess.STDOUT, text=True)
     if done.returncode != 0:
         tail = log.read_text(errors="replace").strip().splitlines()[-1:] or [""]
@@ -90,9 +94,10 @@ def _percent(value: float | None, reference: float | None) -> float | None:
     return 100.0 * value / reference
 
 
-def compare(runs: list[MethodRun], metric: str, greater_is_better: bool) -> list[dict[str, Any]]:
-    """One row per method, each figure measured, the percentages against the ``full`` run."""
-    full = next((run for run in runs if run.method == "full" and run.error is None), None)
+def compare(runs: list[MethodRun], metric: str, greater_is_better: bool, reference: str = "full"
+            ) -> list[dict[str, Any]]:
+    """One row per method, each figure measured, the percentages against the ``reference`` run (``full``)."""
+    full = next((run for run in runs if run.method == reference and run.error is None), None)
     target = full.evals[-1][1] if full is not None and full.evals else None
     full_steps = (steps_to_reach(full.evals, target, greater_is_better)
                   if full is not None and target is not None else None)
@@ -130,12 +135,13 @@ def _cell(value: Any, fmt: str = "{:.1f}") -> str:
     return fmt.format(value) if isinstance(value, (int, float)) else str(value)
 
 
-def format_table(rows: list[dict[str, Any]], metric: str, target: float | None) -> str:
-    """The seed's method table as markdown, from the measured rows."""
-    reach = f"steps to full's final {metric}" + (f" ({target:.4f})" if target is not None else "")
-    header = ["method", "model state / rank MiB (% of full)", "peak RSS / rank MiB (% of full)", reach,
-              "convergence speed (% of full)", f"final {metric}", "improvement (% of full's)", "trainable params",
-              "samples/s"]
+def format_table(rows: list[dict[str, Any]], metric: str, target: float | None, reference: str = "full",
+                 label: str = "method") -> str:
+    """The seed's method table as markdown, from the measured rows (percentages of the ``reference`` run's)."""
+    reach = f"steps to {reference}'s final {metric}" + (f" ({target:.4f})" if target is not None else "")
+    header = [label, f"model state / rank MiB (% of {reference})", f"peak RSS / rank MiB (% of {reference})", reach,
+              f"convergence speed (% of {reference})", f"final {metric}", f"improvement (% of {reference}'s)",
+              "trainable params", "samples/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         if "error" in row:

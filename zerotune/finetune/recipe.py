@@ -50,6 +50,8 @@ from zerotune.finetune.recipe_sections import (
     ENGINE_SHORTCUTS,
     METHOD_OPTIONS,
     METHODS,
+    OBJECTIVE_OPTIONS,
+    OBJECTIVES,
     EngineKeys,
     Recipe,
 )
@@ -192,18 +194,19 @@ def _overridden_keys(overrides: Sequence[str]) -> set[str]:
 
 def _switch_method(raw: dict[str, Any], overrides: Sequence[str]) -> None:
     """``--set method.type=prefix`` on a LoRA recipe: the recipe's options of the method it leaves (r, alpha, ...)
-    go with it. Options the overrides themselves give are kept, so one that does not fit the new method is
-    still refused by name."""
-    method = raw.get("method")
-    overridden = _overridden_keys(overrides)
-    if "method.type" not in overridden or not isinstance(method, dict) or not isinstance(method.get("type"), str):
-        return
-    if method["type"] not in METHODS:
-        return  # validation names it
-    valid = METHOD_OPTIONS.get(method["type"], ())
-    for option in [key for key in method if key != "type" and key not in valid]:
-        if f"method.{option}" not in overridden:
-            del method[option]
+    go with it; likewise ``--set objective.type=orpo`` on a DPO recipe. Options the overrides themselves give are
+    kept, so one that does not fit the new type is still refused by name."""
+    for section, types, owned in (("method", METHODS, METHOD_OPTIONS), ("objective", OBJECTIVES, OBJECTIVE_OPTIONS)):
+        block = raw.get(section)
+        overridden = _overridden_keys(overrides)
+        if f"{section}.type" not in overridden or not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            continue
+        if block["type"] not in types:
+            continue  # validation names it
+        valid = owned.get(block["type"], ())
+        for option in [key for key in block if key != "type" and key not in valid]:
+            if f"{section}.{option}" not in overridden:
+                del block[option]
 
 
 DATA_SOURCES = ("train_files", "dataset", "bundled")
