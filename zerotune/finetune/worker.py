@@ -27,6 +27,7 @@ from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_da
 from zerotune.finetune.interrupt import CHECKPOINTS, leave_quietly_on_interrupt
 from zerotune.finetune.models import (
     apply_method,
+    enable_gradient_checkpointing,
     load_model,
     load_tokenizer,
     resolve_model_path,
@@ -156,6 +157,8 @@ def run(args: argparse.Namespace) -> dict:
         log_rank0("data.packing: %d training examples in %d rows of up to %d tokens", unpacked, len(train_set),
                   recipe.data.max_length, rank=env.rank)
     model = apply_method(model, recipe.task, recipe.method)
+    if recipe.train.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
     counts = (sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()))
 
