@@ -20,7 +20,7 @@ import torch
 import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
-from zerotune.finetune.arguments import add_arguments
+from zerotune.finetune.arguments import add_arguments, resolve_output_dir
 from zerotune.finetune.best import BEST_DIR, BestTracker, tracker_for
 from zerotune.finetune.console import quiet_libraries
 from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
@@ -133,6 +133,7 @@ def run(args: argparse.Namespace) -> dict:
     args.resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     quiet_libraries(int(os.environ.get("RANK", "0") or 0))
     recipe = load_recipe(args.recipe, args.overrides)
+    resolve_output_dir(args)
     check_merge(recipe, args.merge)
     check_recipe_inputs(recipe)
     env = zerotune.init_distributed()
@@ -255,6 +256,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="zerotune.finetune.worker")).parse_args(argv)
+    resolve_output_dir(args)
     leave_quietly_on_interrupt(args, int(os.environ.get("RANK", "0") or 0))
     run(args)  # init_distributed tears its process group down at exit
     return 0
