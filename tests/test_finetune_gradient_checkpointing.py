@@ -34,6 +34,11 @@ def test_gradient_checkpointing_is_on_in_the_model_and_a_frozen_base_feeds_it_in
     full = _tiny_bert()
     enable_gradient_checkpointing(full)
     assert _is_checkpointing(full)
+    calls = []
+    full.bert.encoder.layer[0].attention.register_forward_hook(lambda *args: calls.append(1))
+    full.train()
+    full(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([1])).loss.backward()
+    assert len(calls) == 2  # the block ran again in the backward pass: its activations were not kept
 
     lora = apply_method(_tiny_bert(), "sequence-classification",
                         SimpleNamespace(type="lora", r=2, alpha=4, dropout=0.0, target_modules=["query", "value"],
