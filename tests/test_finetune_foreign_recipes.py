@@ -344,13 +344,13 @@ output_dir: ./outputs/dpo
 
 @pytest.fixture
 def axolotl_dir(tmp_path: Path) -> Path:
-    data = tmp_path / "data"
-    data.mkdir()
+    data = tmp_path / "axolotl" / "data"
+    data.mkdir(parents=True)
     rows = [{"instruction": f"Say {i}", "input": "", "output": str(i)} for i in range(20)]
     (data / "alpaca.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     prefs = [{"prompt": f"q{i}", "chosen": "good", "rejected": "bad"} for i in range(10)]
     (data / "prefs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in prefs))
-    return tmp_path
+    return tmp_path / "axolotl"
 
 
 def test_axolotl_qlora_sft_translates_key_by_key(axolotl_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -472,7 +472,11 @@ def test_print_recipe_round_trips_the_dpo_yamls(lf_dir: Path, axolotl_dir: Path,
     directory, text = (lf_dir, LF_DPO) if which == "llamafactory" else (axolotl_dir, AXOLOTL_DPO)
     result = _cli(str(_write(directory, text)), "--print-recipe", cwd=directory)
     assert result.returncode == 0, result.stderr
-    assert yaml.safe_load(result.stdout)["objective"]["type"] == "dpo"
+    printed = yaml.safe_load(result.stdout)
+    assert printed["objective"]["type"] == "dpo"
+    again = directory / "again.yaml"
+    again.write_text(result.stdout)
+    assert recipe_to_dict(load_recipe(again)) == printed
 
 
 def test_print_recipe_prints_a_native_recipe_normalized(tmp_path: Path) -> None:
