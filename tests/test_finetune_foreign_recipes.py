@@ -204,7 +204,8 @@ def test_llamafactory_dpo_translates_to_the_dpo_objective(lf_dir: Path, monkeypa
 @pytest.mark.parametrize("changes, objective", [
     ({"pref_loss": "ipo"}, {"type": "dpo", "loss": "ipo", "beta": 0.1}),
     ({"pref_loss": "orpo"}, {"type": "orpo", "beta": 0.1}),
-    ({"pref_loss": "simpo", "simpo_gamma": 0.5}, {"type": "simpo", "beta": 0.1, "gamma": 0.5}),
+    ({"pref_loss": "simpo", "simpo_gamma": 0.8}, {"type": "simpo", "beta": 0.1, "gamma": 0.8}),
+    ({"pref_loss": "simpo", "pref_beta": DROP}, {"type": "simpo", "beta": 0.1, "gamma": 0.5}),  # LF's defaults
 ])
 def test_llamafactory_pref_loss_picks_the_objective(lf_dir: Path, monkeypatch: pytest.MonkeyPatch, changes: dict,
                                                     objective: dict) -> None:
@@ -238,6 +239,13 @@ def test_llamafactory_unsupported_keys_are_one_line_naming_the_key(lf_dir: Path,
         load_recipe(path)
     text = str(info.value)
     assert "\n" not in text and text.startswith("zerotune recipe: " + message), text
+
+
+def test_llamafactory_kto_stage_passes_its_files(lf_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = _translated(_write(lf_dir, LF_DPO, stage="kto", pref_loss=DROP, dataset="chat",
+                                kto_chosen_weight=1.0, kto_rejected_weight=0.5), monkeypatch).recipe
+    assert recipe["objective"] == {"type": "kto", "beta": 0.1, "desirable_weight": 1.0, "undesirable_weight": 0.5}
+    assert recipe["data"]["train_files"] == [str(lf_dir / "data" / "chat.json")] and "format" not in recipe["data"]
 
 
 def test_llamafactory_quantization_bit_is_qlora_and_freeze_keeps_its_layers(lf_dir: Path,

@@ -1,9 +1,9 @@
 """A LLaMA-Factory training YAML (``llamafactory-cli train x.yaml``) as a zerotune recipe, key by key.
 
-Where a key is absent, LLaMA-Factory's own default is written into the recipe when it differs from
-zerotune's and changes the result (3 epochs, batch 8, cutoff_len 2048, LoRA on all linear layers
-with alpha = 2 x rank and no dropout, gradient checkpointing on), so the run is the one
-LLaMA-Factory would do. Data sets are looked up in ``dataset_dir/dataset_info.json``.
+Where a key is absent, LLaMA-Factory's own default is written into the recipe when it may differ
+from zerotune's and changes the result (3 epochs, batch 8, cutoff_len 2048, LoRA on all linear
+layers with alpha = 2 x rank and no dropout, gradient checkpointing on, pref_beta 0.1, simpo_gamma
+0.5), so the run is the one LLaMA-Factory would do. Data sets are looked up in ``dataset_dir/dataset_info.json``.
 """
 
 from __future__ import annotations
@@ -99,6 +99,11 @@ def _objective(keys: ForeignKeys, recipe: dict[str, Any]) -> str:
     for key, name in options.items():
         if keys.given(key):
             keys.put(recipe, f"objective.{name}", keys.take(key), key)
+    # LLaMA-Factory's defaults, written so the run does not depend on zerotune's per-objective ones
+    if kind in ("dpo", "orpo", "simpo", "kto") and not keys.given("pref_beta"):
+        keys.put(recipe, "objective.beta", 0.1, "pref_beta")
+    if kind == "simpo" and not keys.given("simpo_gamma"):
+        keys.put(recipe, "objective.gamma", 0.5, "simpo_gamma")
     return kind
 
 
@@ -217,7 +222,8 @@ def _files(keys: ForeignKeys, key: str, info: dict[str, Any], dataset_dir: str,
         if bool(entry.get("ranking", False)) != (objective in ("dpo", "orpo", "simpo", "reward")):
             want = "no ranking" if objective in ("sft", "kto") else "ranking: true"
             raise keys.error(key, f"dataset {name!r} does not fit objective {objective}: it needs {want}")
-        formats.add(_format(keys, key, name, entry))
+        layout = _format(keys, key, name, entry)  # checks the columns even where the format is not set
+        formats.add(None if objective == "kto" else layout)  # KTO rows (kto_tag) are the loader's to read
     if len(formats) > 1:
         raise keys.error(key, f"mixes formats {', '.join(sorted(str(f) for f in formats))}; zerotune reads one")
     return files, formats.pop()
