@@ -1,4 +1,7 @@
-"""``zerotune finetune [RECIPE] [--output-dir DIR] [--resume] [--merge] [--set key=value ...]``.
+"""``zerotune finetune [RECIPE] [--output-dir DIR] [--resume] [--merge] [--set key=value ...] [--print-recipe]``.
+
+RECIPE may also be a LLaMA-Factory or axolotl training YAML, translated key by key
+(``finetune/foreign_recipes.py``); ``--print-recipe`` prints the recipe as zerotune YAML and exits.
 
 Validates the recipe and fetches its bundled assets once, in this process, so a bad recipe is
 one clear line and ranks never race to download. Then, unless already under torchrun, starts
@@ -46,14 +49,30 @@ def _prefetch_assets(recipe) -> None:
             asset_path(name)
 
 
+def recipe_yaml(recipe) -> str:
+    """The recipe's set values as YAML that ``load_recipe`` accepts again (paths absolute)."""
+    import yaml
+
+    from zerotune.finetune.recipe import recipe_to_dict
+
+    return yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True)
+
+
 def run_finetune(args: argparse.Namespace) -> int:
+    from zerotune.finetune.arguments import resolve_output_dir
     from zerotune.finetune.assets import AssetError
     from zerotune.finetune.data import DataError
+    from zerotune.finetune.foreign_recipes import mark_notes_shown
     from zerotune.finetune.models import ModelLoadError
     from zerotune.finetune.recipe import load_recipe
 
     try:
         recipe = load_recipe(args.recipe, args.overrides)
+        if args.print_recipe:
+            print(recipe_yaml(recipe), end="")
+            return 0
+        resolve_output_dir(args)
+        mark_notes_shown()
         _prefetch_assets(recipe)
         from zerotune.finetune.worker import check_merge, check_recipe_inputs
 

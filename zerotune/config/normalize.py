@@ -88,6 +88,8 @@ def _normalize_value(value: Any, annotation: Any, path: str, notes: list[tuple[s
 
 
 def _unknown_key_message(key: str, cls: type[Section]) -> str:
+    if key in cls.KNOWN_AS:
+        return f"unknown key; did you mean '{cls.KNOWN_AS[key]}'? ('{key}' is another tool's name for it)"
     valid = sorted(set(cls.model_fields) | set(cls.ALIASES))
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.6)
     if close:

@@ -33,6 +33,9 @@ class Section(BaseModel):
     # Modelled fields that nothing in zerotune reads (any value), with the reason: reported by
     # ``zerotune check`` and logged by ``initialize`` when a config sets them.
     NO_EFFECT_FIELDS: ClassVar[dict[str, str]] = {}
+    # Other tools' names for this section's keys (or another section's, as a dotted path) -> the key to
+    # suggest: did-you-mean consults it before the fuzzy match, which cannot know that 'learning_rate' is 'lr'.
+    KNOWN_AS: ClassVar[dict[str, str]] = {}
 
     @classmethod
     def translate_legacy(cls, raw: dict[str, Any], prefix: str, notes: list[tuple[str, str]]) -> dict[str, Any]:

@@ -153,13 +153,34 @@ def apply_method(model: Any, task: str, method: Any) -> Any:
         if not targets:
             raise ModelLoadError(f"method.target_modules: no default LoRA targets for model type "
                                  f"'{model.config.model_type}'; name the linear layers to adapt")
+        targets = targets if isinstance(targets, str) else list(targets)  # a string is one regex, or all-linear
         config = LoraConfig(task_type=task_type, r=method.r, lora_alpha=method.alpha, lora_dropout=method.dropout,
-                            target_modules=list(targets), use_dora=method.dora, use_rslora=method.rslora)
+                            target_modules=targets, use_dora=method.dora, use_rslora=method.rslora)
     else:
         if task == "sequence-classification":
             check_prefix_tuning_support(model)
         config = PrefixTuningConfig(task_type=task_type, num_virtual_tokens=method.num_virtual_tokens)
     return get_peft_model(model, config)
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """``train.gradient_checkpointing``: Hugging Face's own activation checkpointing, on before the engine wraps the
+    model (ZeRO's hooks then see the recomputed forward like the first one, at every stage).
+
+    Non-reentrant (``use_reentrant: False``): the reentrant form drops the gradients of a block whose inputs do not
+    require grad. With a frozen base (LoRA, prefix, freeze) the input embeddings are made to require grad, as peft's
+    ``enable_input_require_grads`` does, so every checkpointed block has a graph to recompute into.
+    """
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ModelLoadError(f"train.gradient_checkpointing: {type(base).__name__} does not support Hugging Face "
+                             "gradient checkpointing; set train.gradient_checkpointing: false")
+    if hasattr(base, "activation_checkpointing_enable"):  # transformers >= 5.x's name; the old one warns
+        base.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if any(not p.requires_grad for p in model.parameters()):
+        base.enable_input_require_grads()
 
 
 def freeze_except(model: torch.nn.Module, task: str, layers: int | None, modules: list[str] | str | None

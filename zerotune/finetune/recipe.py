@@ -4,7 +4,8 @@ Loading mirrors the engine config's passes (``zerotune/config/loading.py``) and 
 machinery, so recipe errors read exactly like engine-config errors (one line, the dotted
 key, did-you-mean for typos):
 
-1. read the source into a plain dict; resolve relative file paths against the recipe's
+1. read the source into a plain dict (a LLaMA-Factory or axolotl YAML is translated into a
+   recipe here, ``foreign_recipes.py``); resolve relative file paths against the recipe's
    directory (a recipe must work from any working directory);
 2. apply ``--set key=value`` overrides (their relative paths resolve against the working
    directory, where the user typed them);
@@ -39,6 +40,7 @@ from zerotune.config.loading import (  # _plain_copy is private; reused, not dup
 from zerotune.config.pydantic_errors import translate
 from zerotune.config.tree import set_path
 from zerotune.config.yaml_loader import YamlExpansionError, load_yaml
+from zerotune.finetune.foreign_recipes import detect_dialect, report_notes, translate_foreign
 from zerotune.finetune.recipe_checks import RecipeError, check_recipe
 from zerotune.finetune.recipe_engine import (
     derive_engine_config,
@@ -77,8 +79,14 @@ def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any] | Recipe | No
     """
     if isinstance(overrides, str):
         raise RecipeError("", f"overrides must be a list of 'key=value' strings, got the string {overrides!r}")
+    translation = None
     try:
         raw, base_dir = _read_source(source)
+        dialect = detect_dialect(raw)
+        if dialect != "zerotune":  # a LLaMA-Factory / axolotl YAML, run unchanged
+            translation = translate_foreign(raw, dialect, base_dir)
+            report_notes(translation)
+            raw = translation.recipe
         _resolve_paths(raw, base_dir)
         for override in overrides:
             _apply_override(raw, override)
@@ -90,10 +98,13 @@ def load_recipe(source: str | os.PathLike[str] | Mapping[str, Any] | Recipe | No
         reconcile_batch(recipe)
         derive_engine_config(recipe, total_steps=None, dp_world_size=None, at_load=True)
         return recipe
-    except RecipeError:
+    except RecipeError as error:
+        if translation is not None:
+            raise translation.explain(error) from None
         raise
     except ConfigError as error:
-        raise RecipeError.of(error) from None
+        wrapped = RecipeError.of(error)
+        raise (translation.explain(wrapped) if translation is not None else wrapped) from None
 
 
 def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:

@@ -200,6 +200,10 @@ class TrainSection(Section):
     """Causal LM: the longest generated answer at each evaluation, in tokens."""
     gradient_clipping: NonNegFloat = 1.0
     """Clip the global gradient L2 norm to this value; 0 disables clipping."""
+    gradient_checkpointing: StrictBool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping them (Hugging Face's
+    gradient_checkpointing_enable, non-reentrant): less activation memory for about one more forward; the same loss.
+    """
 
 
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto", "reward")
@@ -331,6 +335,31 @@ class Recipe(Section):
     """The zerotune/DeepSpeed engine config (ZeRO stage, precision, offload, ...)."""
     launch: LaunchSection = Field(default_factory=LaunchSection)
     """Processes and nodes."""
+
+
+def _teach_foreign_names() -> None:
+    """Give every recipe section the other tools' names for recipe keys (``recipe_names.py``), so did-you-mean
+    answers 'learning_rate' with 'lr' in ``train`` and with 'train.lr' anywhere else. Only keys that exist are
+    suggested."""
+    from zerotune.finetune.recipe_names import FOREIGN_KEY_NAMES
+
+    sections = {name: field.annotation for name, field in Recipe.model_fields.items()
+                if isinstance(field.annotation, type) and issubclass(field.annotation, Section)}
+    known = {}
+    for foreign, target in FOREIGN_KEY_NAMES.items():
+        owner, key = target.split(".")
+        if owner in sections and key in sections[owner].model_fields:
+            known[foreign] = target
+    Recipe.KNOWN_AS = dict(known)
+    for name, section in sections.items():
+        section.KNOWN_AS = {foreign: target.split(".", 1)[1] if target.startswith(name + ".") else target
+                            for foreign, target in known.items()}
+    # engine keys are checked against the engine config and its shortcuts together (recipe.py's _fold_engine)
+    EngineKeys.KNOWN_AS = {foreign: target for foreign, target in sections["engine"].KNOWN_AS.items()
+                           if foreign not in EngineKeys.model_fields and foreign not in EngineKeys.ALIASES}
+
+
+_teach_foreign_names()
 
 __all__ = [
     "BUNDLED_DATA",

@@ -20,7 +20,7 @@ import torch
 import zerotune
 from zerotune.distributed import comm
 from zerotune.finetune import loop
-from zerotune.finetune.arguments import add_arguments
+from zerotune.finetune.arguments import add_arguments, resolve_output_dir
 from zerotune.finetune.best import BEST_DIR, BestTracker, evaluation_kind, tracker_for
 from zerotune.finetune.console import quiet_libraries
 from zerotune.finetune.data import (
@@ -33,6 +33,7 @@ from zerotune.finetune.data import (
 from zerotune.finetune.interrupt import CHECKPOINTS, leave_quietly_on_interrupt
 from zerotune.finetune.models import (
     apply_method,
+    enable_gradient_checkpointing,
     load_model,
     load_tokenizer,
     resolve_model_path,
@@ -152,6 +153,7 @@ def run(args: argparse.Namespace) -> dict:
     args.resume = args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
     quiet_libraries(int(os.environ.get("RANK", "0") or 0))
     recipe = load_recipe(args.recipe, args.overrides)
+    resolve_output_dir(args)
     check_merge(recipe, args.merge)
     check_recipe_inputs(recipe)
     env = zerotune.init_distributed()
@@ -181,6 +183,8 @@ def run(args: argparse.Namespace) -> dict:
         log_rank0("data.packing: %d training examples in %d rows of up to %d tokens", unpacked, len(train_set),
                   recipe.data.max_length, rank=env.rank)
     model = apply_method(model, model_task, recipe.method)
+    if recipe.train.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
     counts = (sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()))
 
@@ -295,6 +299,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="zerotune.finetune.worker")).parse_args(argv)
+    resolve_output_dir(args)
     leave_quietly_on_interrupt(args, int(os.environ.get("RANK", "0") or 0))
     run(args)  # init_distributed tears its process group down at exit
     return 0
