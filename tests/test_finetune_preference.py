@@ -297,8 +297,13 @@ def _finetune(recipe: str, output: str, overrides: list[str]) -> dict:
     ({"type": "kto"}, {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0}, 1),
     ({"type": "orpo", "beta": 1.0}, {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0}, 0),
     ({"type": "reward"}, {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0}, 2),
-], ids=["dpo-lora-z3", "dpo-full-z2", "kto-lora-z1", "orpo-lora-z0", "reward-lora-z2"])
+    ({"type": "dpo", "loss": "ipo"}, {"type": "qlora", "bits": 4, "r": 4, "alpha": 8, "dropout": 0.0}, 2),
+    ({"type": "simpo"}, {"type": "full"}, 3),
+], ids=["dpo-lora-z3", "dpo-full-z2", "kto-lora-z1", "orpo-lora-z0", "reward-lora-z2", "ipo-qlora-z2",
+        "simpo-full-z3"])
 def test_finetune_moves_the_reward_margin_on_two_ranks(tmp_path, llama_dir, objective, method, stage) -> None:
+    if method["type"] == "qlora":
+        pytest.importorskip("bitsandbytes")
     recipe = _recipe(tmp_path, llama_dir, objective, method, stage)
     summary = run_distributed(_finetune, 2, str(recipe), str(tmp_path / "run"), [], timeout=400)[0]
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -309,7 +314,7 @@ def test_finetune_moves_the_reward_margin_on_two_ranks(tmp_path, llama_dir, obje
         assert summary["metric"] == "reward_margin" and summary["after"] > summary["before"] + 0.05, summary
     if objective["type"] in ("dpo", "orpo"):
         assert final["reward_accuracy"] >= 0.75, final
-    assert (tmp_path / "run" / "adapter" if method["type"] == "lora" else tmp_path / "run" / "model").is_dir()
+    assert (tmp_path / "run" / ("model" if method["type"] == "full" else "adapter")).is_dir()
 
 
 @pytest.mark.slow
