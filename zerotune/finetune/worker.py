@@ -22,6 +22,7 @@ from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments
 from zerotune.finetune.best import BEST_DIR, BestTracker, tracker_for
+from zerotune.finetune.chat_templates import TEMPLATES, use_template
 from zerotune.finetune.console import quiet_libraries
 from zerotune.finetune.data import DataSpec, check_num_labels, load_causal_lm_data, load_classification_data
 from zerotune.finetune.interrupt import CHECKPOINTS, leave_quietly_on_interrupt
@@ -43,7 +44,7 @@ from zerotune.finetune.packing import (
 from zerotune.finetune.recipe import RecipeError, load_recipe, recipe_engine_config
 from zerotune.finetune.recipe_engine import fit_engine_to_run
 from zerotune.finetune.samples import EvalSamples, sample_conversations
-from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
+from zerotune.finetune.tokenization import LossPolicy, make_collator, tokenize_causal_lm, tokenize_classification
 from zerotune.monitor.logging import log_rank0
 
 SAMPLES = "samples.jsonl"
@@ -74,7 +75,7 @@ def check_recipe_inputs(recipe) -> list[str]:
     """
     model_path = resolve_model_path(recipe.model.name_or_path)
     if recipe.task == "causal-lm":
-        _load_causal_lm(recipe)
+        _check_template_fits(recipe, _load_causal_lm(recipe)[0])
         model_class = causal_lm_class(model_path, recipe.model.trust_remote_code) if recipe.data.packing else None
         if model_class is not None:
             check_packing_support(model_class)
@@ -104,18 +105,41 @@ def _load_causal_lm(recipe):
                                response_column=recipe.data.response_column, data_format=recipe.data.format)
 
 
+def loss_policy(recipe) -> LossPolicy:
+    """The recipe's data.train_on_prompt / train_on / roles_to_train / add_eos as one LossPolicy (the recipe
+    checks have refused combinations that contradict each other)."""
+    data = recipe.data
+    return LossPolicy(train_on_prompt=data.train_on_prompt, roles=tuple(data.roles_to_train or ("assistant",)),
+                      last_only=data.train_on == "last_assistant", add_eos=data.add_eos)
+
+
+def _check_template_fits(recipe, rows) -> None:
+    """``data.template: none`` cannot render chat messages (detected from the columns, so checked on the rows)."""
+    if recipe.data.template == "none" and "messages" in rows.column_names:
+        raise RecipeError("data.template", "none, but the data holds chat messages, which need a chat template; set "
+                                           f"data.template to auto or one of {', '.join(TEMPLATES)}")
+
+
+def prepare_causal_lm_tokenizer(recipe, tokenizer, rows) -> None:
+    """Set data.template on ``tokenizer``, so training, the eval samples and the saved tokenizer share it."""
+    _check_template_fits(recipe, rows)
+    use_template(tokenizer, recipe.data.template, rank=int(os.environ.get("RANK", "0") or 0))
+
+
 def load_task_data(recipe, tokenizer) -> tuple:
     """(tokenized train set, tokenized eval set, label names, eval rows before tokenization) for the recipe's
     task.
 
-    Causal LM renders question/answer rows with the chat template and trains on answer tokens
-    only; its label names are empty.
+    Causal LM renders question/answer rows in data.template and puts the loss where the recipe's
+    loss_policy says (by default the answers only); its label names are empty.
     """
     max_length = recipe.data.max_length
     if recipe.task == "causal-lm":
         train_set, eval_set = _load_causal_lm(recipe)
-        return (tokenize_causal_lm(train_set, tokenizer, max_length),
-                tokenize_causal_lm(eval_set, tokenizer, max_length), [], eval_set)
+        prepare_causal_lm_tokenizer(recipe, tokenizer, train_set)
+        policy = loss_policy(recipe)
+        return (tokenize_causal_lm(train_set, tokenizer, max_length, policy),
+                tokenize_causal_lm(eval_set, tokenizer, max_length, policy), [], eval_set)
     train_set, eval_set, label_names = load_classification_data(_data_spec(recipe))
     return (tokenize_classification(train_set, tokenizer, max_length),
             tokenize_classification(eval_set, tokenizer, max_length), label_names, eval_set)
