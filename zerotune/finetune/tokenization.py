@@ -127,30 +127,58 @@ def _trained_turns(turns: list[dict], policy: LossPolicy) -> list[int]:
 
 
 def _conversation_ids(tokenizer: Any, turns: list[dict], policy: LossPolicy) -> tuple[list[int], list[int]]:
-    """A whole conversation's ids, with labels on the turns ``policy`` trains: each such turn is what the
+    """A whole conversation's ids, with labels on the turns ``policy`` trains: each such turn is the text the
     template adds to the conversation before it (rendered with the generation prompt before an assistant turn,
-    so the assistant header stays untrained)."""
+    so the assistant header stays untrained).
+
+    The turns are found in the rendered *text* and mapped to tokens by their character offsets, so a template
+    whose markers the tokenizer splits into several tokens -- which can merge across a turn's edge ("\n\n"
+    is one token at the end of a text and two before a word) -- still marks the right tokens.
+    """
+    text = _render(tokenizer, turns)
     if policy.train_on_prompt:
-        whole = _as_ids(tokenizer.apply_chat_template(turns, tokenize=True))
-        return whole, list(whole)
-    ids: list[int] = []
-    labels: list[int] = []
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        return list(ids), list(ids)
+    edges: list[tuple[int, int]] = []
     for position in _trained_turns(turns, policy):
-        before = _as_ids(tokenizer.apply_chat_template(
-            turns[:position], add_generation_prompt=turns[position]["role"] == "assistant",
-            tokenize=True)) if position else []  # (templates cannot render an empty conversation)
-        through = _as_ids(tokenizer.apply_chat_template(turns[:position + 1], tokenize=True))
-        if before[:len(ids)] != ids or through[:len(before)] != before:
+        before = _render(tokenizer, turns[:position], turns[position]["role"] == "assistant") if position else ""
+        through = _render(tokenizer, turns[:position + 1])
+        if not (text.startswith(through) and through.startswith(before)):
             raise DataError("the tokenizer's chat template renders a conversation's beginning differently once later "
                             "turns follow, so the trained turns cannot be told apart; render the conversations "
                             "into a text column yourself (data.format: text)")
-        labels += [IGNORE_INDEX] * (len(before) - len(ids)) + through[len(before):]
-        ids = through
-    rest = _as_ids(tokenizer.apply_chat_template(turns, tokenize=True))  # turns after the last trained one
-    if rest[:len(ids)] == ids:
-        labels += [IGNORE_INDEX] * (len(rest) - len(ids))
-        ids = rest
+        edges.append((len(before), len(through)))
+    ids, starts = _ids_and_starts(tokenizer, text, [edge for pair in edges for edge in pair])
+    labels = [token if any(start <= at < end for start, end in edges) else IGNORE_INDEX
+              for token, at in zip(ids, starts)]
     return ids, labels
+
+
+def _render(tokenizer: Any, turns: list[dict], generation_prompt: bool = False) -> str:
+    return tokenizer.apply_chat_template(turns, add_generation_prompt=generation_prompt, tokenize=False)
+
+
+def _ids_and_starts(tokenizer: Any, text: str, edges: list[int]) -> tuple[list[int], list[int]]:
+    """``text``'s token ids (as ``apply_chat_template`` tokenizes it) and where each token starts in it.
+
+    A fast tokenizer gives the offsets; for a slow one each edge is placed by tokenizing the text before it,
+    which works when that is a prefix of the whole text's tokens (the tokens are then given the edge as start).
+    """
+    try:
+        encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(encoded["input_ids"]), [start for start, _ in encoded["offset_mapping"]]
+    except (NotImplementedError, ValueError, TypeError):
+        pass
+    ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+    starts = [0] * len(ids)
+    for edge in sorted(set(edges)):
+        head = list(tokenizer(text[:edge], add_special_tokens=False)["input_ids"])
+        if ids[:len(head)] != head:
+            raise DataError("the tokenizer splits the chat template's text differently at a turn's edge, so the "
+                            "trained turns cannot be told apart; use a fast tokenizer or a template whose markers "
+                            "are the tokenizer's special tokens (data.template)")
+        starts[len(head):] = [edge] * (len(ids) - len(head))
+    return ids, starts
 
 
 def _plain_pair_ids(tokenizer: Any, turns: list[dict], policy: LossPolicy) -> tuple[list[int], list[int]]:
@@ -181,11 +209,6 @@ def make_collator(tokenizer: Any, task: str = "sequence-classification") -> Call
     if task == "causal-lm":
         return transformers.DataCollatorForSeq2Seq(tokenizer, label_pad_token_id=IGNORE_INDEX, return_tensors="pt")
     raise DataError(f"unknown task {task!r}; expected 'sequence-classification' or 'causal-lm'")
-
-
-def _as_ids(rendered: Any) -> list[int]:
-    """``apply_chat_template(tokenize=True)`` returns a list or a BatchEncoding, by version."""
-    return list(rendered["input_ids"]) if hasattr(rendered, "keys") else list(rendered)
 
 
 def _check_max_length(max_length: int) -> None:
