@@ -358,3 +358,31 @@ def test_preview_refuses_a_classification_recipe_and_a_count_below_one(tmp_path,
     assert main(["finetune", classification, "--preview"]) == 2
     assert "--preview: shows chat-formatted causal-LM examples; task is 'sequence-classification'" in \
         capsys.readouterr().err
+
+
+def test_preview_of_a_never_converted_gguf_model_reads_its_tokenizer_without_dequantizing(
+        tmp_path, monkeypatch, capsys, smol_dir) -> None:
+    """A fresh cache holding only the bundled GGUF file: --preview must not convert (load) the weights."""
+    from zerotune.cli.main import main
+    from zerotune.finetune import assets
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for name in (SMOL, "chatterbot_corpus_english"):
+        (cache / name).symlink_to(assets.cache_dir() / name)
+    monkeypatch.setenv(assets.CACHE_ENV_VAR, str(cache))
+    calls = _forbid_weight_loading(monkeypatch)
+    assert main(["finetune", _smol_recipe(tmp_path), "--preview", "1"]) == 0
+    out = capsys.readouterr().out
+    assert calls == [] and not (cache / f"{SMOL}-hf").exists()
+    assert "<|im_start|>assistant\n[[" in out and out.count("\n--- example") == 1
+
+
+def test_a_worker_started_with_preview_previews_instead_of_training(tmp_path, monkeypatch, capsys, smol_dir) -> None:
+    from zerotune.finetune import worker
+
+    monkeypatch.delenv("RANK", raising=False)
+    calls = _forbid_weight_loading(monkeypatch)
+    monkeypatch.setattr(worker, "run", lambda args: pytest.fail("the worker trained instead of previewing"))
+    assert worker.main([_smol_recipe(tmp_path), "--preview", "1"]) == 0
+    assert calls == [] and capsys.readouterr().out.count("\n--- example") == 1

@@ -276,6 +276,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="zerotune.finetune.worker")).parse_args(argv)
+    if args.preview is not None:  # started under torchrun with --preview: rank 0 previews, no rank trains
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            from zerotune.finetune.preview import run_preview
+
+            run_preview(load_recipe(args.recipe, args.overrides), args.preview)
+        return 0
     leave_quietly_on_interrupt(args, int(os.environ.get("RANK", "0") or 0))
     run(args)  # init_distributed tears its process group down at exit
     return 0
