@@ -1,4 +1,5 @@
-"""``zerotune finetune [RECIPE] [--output-dir DIR] [--resume] [--merge] [--set key=value ...] [--print-recipe]``.
+"""``zerotune finetune [RECIPE] [--output-dir DIR] [--resume] [--merge] [--preview [N]] [--set key=value ...]
+[--print-recipe]``.
 
 RECIPE may also be a LLaMA-Factory or axolotl training YAML, translated key by key
 (``finetune/foreign_recipes.py``); ``--print-recipe`` prints the recipe as zerotune YAML and exits.
@@ -8,6 +9,8 @@ one clear line and ranks never race to download. Then, unless already under torc
 ``launch.nproc_per_node`` ranks (and ``launch.nnodes`` nodes through a rendezvous) with
 torchrun's own API, each running ``zerotune.finetune.worker``. A failed rank ends with a short summary
 (``failures.py``); a Ctrl-C with one line saying how to resume (``finetune/interrupt.py``).
+``--preview [N]`` prints N tokenized training examples with their trained tokens marked and exits, here,
+before any rank starts or any weights load (``finetune/preview.py``).
 """
 
 from __future__ import annotations
@@ -74,6 +77,11 @@ def run_finetune(args: argparse.Namespace) -> int:
         resolve_output_dir(args)
         mark_notes_shown()
         _prefetch_assets(recipe)
+        if args.preview is not None:
+            from zerotune.finetune.preview import run_preview
+
+            run_preview(recipe, args.preview)
+            return 0
         from zerotune.finetune.worker import check_merge, check_recipe_inputs
 
         check_merge(recipe, args.merge)

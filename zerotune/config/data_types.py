@@ -14,7 +14,9 @@ from typing import Any, ClassVar, Literal, Optional
 from .errors import NotSupportedError
 from .section import Section
 
-GradAccumDtype = Literal["fp32", "fp16", "bf16"]
+# The same order as the recipe's precisions (finetune/recipe_sections.py PRECISIONS): typing caches Literal types by
+# their set of values, so whichever order is built first would name the values in every error of the other.
+GradAccumDtype = Literal["fp32", "bf16", "fp16"]
 
 
 class DataTypesConfig(Section):

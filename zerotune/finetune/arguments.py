@@ -24,6 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--print-recipe", action="store_true",
                         help="print the recipe as zerotune YAML (a LLaMA-Factory / axolotl YAML translated, with "
                              "the --set overrides) and exit without training")
+    parser.add_argument("--preview", nargs="?", type=int, const=3, default=None, metavar="N",
+                        help="print the first N (default 3) tokenized training examples with the trained tokens "
+                             "marked, then exit; loads only the tokenizer and the data (causal LM; put it after "
+                             "RECIPE)")
     return parser
 
 

@@ -8,7 +8,8 @@ should change (exactly one of ``epochs`` / ``max_steps``, options of another met
 from __future__ import annotations
 
 from zerotune.config.errors import ConfigError
-from zerotune.finetune.recipe_sections import METHOD_OPTIONS, OBJECTIVE_OPTIONS, Recipe
+from zerotune.finetune.chat_templates import TEMPLATES
+from zerotune.finetune.recipe_sections import METHOD_OPTIONS, OBJECTIVE_OPTIONS, DataSection, Recipe
 
 
 class RecipeError(ConfigError):
@@ -94,6 +95,26 @@ def _check_data(recipe: Recipe) -> None:
                                          "prompt/response columns; set data.format: prompt_response or remove them")
     if data.eval_files is not None and "eval_fraction" in data.model_fields_set:
         raise RecipeError("data.eval_fraction", "unused when data.eval_files is given; remove one of them")
+    _check_chat_format(data)
+
+
+def _check_chat_format(data: DataSection) -> None:
+    """data.template against the layout, and one way of naming the trained turns (train_on_prompt trains them all)."""
+    if data.template == "none" and data.format in ("messages", "sharegpt"):
+        raise RecipeError("data.template", f"none, but data.format {data.format!r} holds chat messages, which need a "
+                                           f"chat template; set data.template to auto or one of "
+                                           f"{', '.join(TEMPLATES)}")
+    roles = data.roles_to_train
+    if roles is not None and (data.train_on != "all_assistant"
+                              or ("train_on" in data.model_fields_set and set(roles) != {"assistant"})):
+        raise RecipeError("data.roles_to_train", f"{roles} conflicts with data.train_on: {data.train_on}; set only one "
+                                                 "of them (roles_to_train trains every turn of its roles)")
+    if data.train_on_prompt:
+        narrowed = ("train_on" if data.train_on != "all_assistant" else
+                    "roles_to_train" if roles is not None and set(roles) != {"assistant"} else None)
+        if narrowed is not None:
+            raise RecipeError(f"data.{narrowed}", f"{getattr(data, narrowed)} conflicts with data.train_on_prompt: "
+                                                  "true, which trains every token of every turn; remove one of them")
 
 
 def _check_method(recipe: Recipe) -> None:
@@ -127,7 +148,8 @@ def _check_objective(recipe: Recipe) -> None:
     if recipe.data.packing:
         raise RecipeError("data.packing", f"not with objective.type {objective.type}: a preference batch scores "
                                           "whole answers one per row; set data.packing: false")
-    for key in ("prompt_column", "response_column", "format", "text_column"):
+    for key in ("prompt_column", "response_column", "format", "text_column", "train_on_prompt", "train_on",
+                "roles_to_train", "add_eos"):
         if key in recipe.data.model_fields_set:
             raise RecipeError(f"data.{key}", f"an SFT data option; objective.type {objective.type} reads preference "
                                              "rows (prompt/chosen/rejected and the other documented layouts); "
@@ -144,6 +166,8 @@ def _check_objective(recipe: Recipe) -> None:
 _TASK_ONLY = {
     "sequence-classification": (("model", "num_labels"), ("data", "label_column"), ("data", "text_pair_column")),
     "causal-lm": (("data", "prompt_column"), ("data", "response_column"), ("data", "format"), ("data", "packing"),
+                  ("data", "template"), ("data", "train_on_prompt"), ("data", "train_on"), ("data", "roles_to_train"),
+                  ("data", "add_eos"),
                   ("train", "eval_samples"), ("train", "sample_prompts"), ("train", "sample_max_new_tokens")),
 }
 

@@ -20,7 +20,8 @@ from pydantic import BeforeValidator, Field, StrictBool
 from zerotune.config.schema import ZeroTuneConfig
 from zerotune.config.section import Section
 from zerotune.config.types import Fraction, NonNegFloat, NonNegInt, PosFloat, PosInt, Stage, Str
-from zerotune.finetune.formats import FORMATS
+from zerotune.finetune.chat_templates import TEMPLATE_NAMES
+from zerotune.finetune.formats import CHAT_ROLES, FORMATS
 
 # Names the finetune asset layer (zerotune/finetune/assets.py) knows how to fetch offline.
 BUNDLED_MODELS = ("all-MiniLM-L6-v2", "SmolLM2-135M-Instruct")
@@ -99,6 +100,24 @@ class DataSection(Section):
     value), instruction + input + output (alpaca: loss on the output), prompt + response (or prompt_column +
     response_column: loss on the response), input_ids [+ labels] (tokens, pre-tokenized), else text_column (text: loss
     on every token)."""
+    template: Literal[TEMPLATE_NAMES] = "auto"  # type: ignore[valid-type]
+    """Causal LM: the chat format prompt/response and messages rows are rendered in. auto: the tokenizer's own chat
+    template (plain text when it has none); chatml, llama3, mistral, qwen, gemma or alpaca: that format, set as the
+    tokenizer's chat template (so the eval samples and the saved tokenizer use it too); none: no template, prompt
+    and answer concatenated as plain text (not for messages data)."""
+    train_on_prompt: StrictBool = False
+    """Causal LM: take the loss on the prompt tokens too -- every token of every turn, template markers included
+    (LLaMA-Factory's name); for prompt/response and messages data."""
+    train_on: Literal["all_assistant", "last_assistant"] = "all_assistant"
+    """Causal LM: which assistant turns carry the loss: all_assistant (every one) or last_assistant (only the final
+    one). roles_to_train is the general form; set one of the two."""
+    roles_to_train: Optional[Annotated[list[Literal[CHAT_ROLES]], Field(min_length=1)]] = None  # type: ignore[valid-type]
+    """Causal LM: the roles whose every turn carries the loss, e.g. [assistant] or [user, assistant] (axolotl's name;
+    for prompt/response data the prompt is the user's); None: as train_on says."""
+    add_eos: StrictBool = True
+    """Causal LM: end every text row with the tokenizer's EOS token, trained on, so a completion-trained model learns
+    to stop (truncation keeps room for it); false leaves text rows as tokenized. Prompt/response rows always end with
+    EOS (without a template) or the template's end-of-turn token."""
     eval_fraction: Fraction = 0.1
     """Fraction of the training data held out for evaluation when eval_files is not given."""
     max_train_samples: Optional[PosInt] = None

@@ -22,6 +22,7 @@ from zerotune.distributed import comm
 from zerotune.finetune import loop
 from zerotune.finetune.arguments import add_arguments, resolve_output_dir
 from zerotune.finetune.best import BEST_DIR, BestTracker, evaluation_kind, tracker_for
+from zerotune.finetune.chat_templates import TEMPLATES, use_template
 from zerotune.finetune.console import quiet_libraries
 from zerotune.finetune.data import (
     DataSpec,
@@ -53,7 +54,7 @@ from zerotune.finetune.preference.pairs import preference_prompts
 from zerotune.finetune.recipe import RecipeError, load_recipe, recipe_engine_config
 from zerotune.finetune.recipe_engine import fit_engine_to_run
 from zerotune.finetune.samples import EvalSamples, sample_conversations
-from zerotune.finetune.tokenization import make_collator, tokenize_causal_lm, tokenize_classification
+from zerotune.finetune.tokenization import LossPolicy, make_collator, tokenize_causal_lm, tokenize_classification
 from zerotune.monitor.logging import log_rank0
 
 SAMPLES = "samples.jsonl"
@@ -87,7 +88,7 @@ def check_recipe_inputs(recipe) -> list[str]:
         load_preference_data(_data_spec(recipe), unpaired=recipe.objective.type == "kto")
         return []
     if recipe.task == "causal-lm":
-        _load_causal_lm(recipe)
+        _check_template_fits(recipe, _load_causal_lm(recipe)[0])
         model_class = causal_lm_class(model_path, recipe.model.trust_remote_code) if recipe.data.packing else None
         if model_class is not None:
             check_packing_support(model_class)
@@ -117,23 +118,47 @@ def _load_causal_lm(recipe):
                                response_column=recipe.data.response_column, data_format=recipe.data.format)
 
 
+def loss_policy(recipe) -> LossPolicy:
+    """The recipe's data.train_on_prompt / train_on / roles_to_train / add_eos as one LossPolicy (the recipe
+    checks have refused combinations that contradict each other)."""
+    data = recipe.data
+    return LossPolicy(train_on_prompt=data.train_on_prompt, roles=tuple(data.roles_to_train or ("assistant",)),
+                      last_only=data.train_on == "last_assistant", add_eos=data.add_eos)
+
+
+def _check_template_fits(recipe, rows) -> None:
+    """``data.template: none`` cannot render chat messages (detected from the columns, so checked on the rows)."""
+    if recipe.data.template == "none" and "messages" in rows.column_names:
+        raise RecipeError("data.template", "none, but the data holds chat messages, which need a chat template; set "
+                                           f"data.template to auto or one of {', '.join(TEMPLATES)}")
+
+
+def prepare_causal_lm_tokenizer(recipe, tokenizer, rows) -> None:
+    """Set data.template on ``tokenizer``, so training, the eval samples and the saved tokenizer share it."""
+    _check_template_fits(recipe, rows)
+    use_template(tokenizer, recipe.data.template, rank=int(os.environ.get("RANK", "0") or 0))
+
+
 def load_task_data(recipe, tokenizer) -> tuple:
     """(tokenized train set, tokenized eval set, label names, eval rows before tokenization) for the recipe's
     task.
 
-    Causal LM renders question/answer rows with the chat template and trains on answer tokens
-    only; its label names are empty.
+    Causal LM renders question/answer rows in data.template and puts the loss where the recipe's
+    loss_policy says (by default the answers only); its label names are empty.
     """
     max_length = recipe.data.max_length
     if recipe.objective.type != "sft":
         unpaired = recipe.objective.type == "kto"
         tokenize = tokenize_unpaired if unpaired else tokenize_pairs
         train_rows, eval_rows = load_preference_data(_data_spec(recipe), unpaired=unpaired)
+        use_template(tokenizer, recipe.data.template, rank=int(os.environ.get("RANK", "0") or 0))
         return tokenize(train_rows, tokenizer, max_length), tokenize(eval_rows, tokenizer, max_length), [], eval_rows
     if recipe.task == "causal-lm":
         train_set, eval_set = _load_causal_lm(recipe)
-        return (tokenize_causal_lm(train_set, tokenizer, max_length),
-                tokenize_causal_lm(eval_set, tokenizer, max_length), [], eval_set)
+        prepare_causal_lm_tokenizer(recipe, tokenizer, train_set)
+        policy = loss_policy(recipe)
+        return (tokenize_causal_lm(train_set, tokenizer, max_length, policy),
+                tokenize_causal_lm(eval_set, tokenizer, max_length, policy), [], eval_set)
     train_set, eval_set, label_names = load_classification_data(_data_spec(recipe))
     return (tokenize_classification(train_set, tokenizer, max_length),
             tokenize_classification(eval_set, tokenizer, max_length), label_names, eval_set)
@@ -299,6 +324,12 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = add_arguments(argparse.ArgumentParser(prog="zerotune.finetune.worker")).parse_args(argv)
+    if args.preview is not None:  # started under torchrun with --preview: rank 0 previews, no rank trains
+        if int(os.environ.get("RANK", "0") or 0) == 0:
+            from zerotune.finetune.preview import run_preview
+
+            run_preview(load_recipe(args.recipe, args.overrides), args.preview)
+        return 0
     resolve_output_dir(args)
     leave_quietly_on_interrupt(args, int(os.environ.get("RANK", "0") or 0))
     run(args)  # init_distributed tears its process group down at exit
