@@ -33,6 +33,7 @@ from zerotune.finetune.models import (
     save_trained_model,
     trainable_summary,
 )
+from zerotune.finetune.neftune import activate_neftune
 from zerotune.finetune.packing import (
     causal_lm_class,
     check_packing_support,
@@ -156,6 +157,10 @@ def run(args: argparse.Namespace) -> dict:
         log_rank0("data.packing: %d training examples in %d rows of up to %d tokens", unpacked, len(train_set),
                   recipe.data.max_length, rank=env.rank)
     model = apply_method(model, recipe.task, recipe.method)
+    if recipe.train.neftune_noise_alpha is not None:
+        activate_neftune(model, recipe.train.neftune_noise_alpha)
+        log_rank0("NEFTune: noise alpha %g on the input embeddings while training", recipe.train.neftune_noise_alpha,
+                  rank=env.rank)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
     counts = (sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()))
 
