@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> dict:
                "train_seconds": throughput["train_seconds"], "task": recipe.task, "method": recipe.method.type,
                "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage(),
                "quantize_bits": bits, **policy}
-    save_trained_model(engine, tokenizer, output, merge=args.merge)
+    save_trained_model(engine, tokenizer, output, merge=args.merge, base_name=recipe.model.name_or_path)
     if env.rank == 0:
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         what = "answer loss" if recipe.task == "causal-lm" else "accuracy"
