@@ -162,6 +162,16 @@ def test_engine_api_names_what_to_set_for_a_missing_schedule_key() -> None:
         info.value), str(info.value)
 
 
+def test_warmup_ratio_is_compared_with_the_engines_warmup_once_the_total_is_known() -> None:
+    engine = {"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 5}}}
+    r = load_recipe(recipe(train={"epochs": 1, "warmup_ratio": 0.1}, engine=engine))  # the total is not known yet
+    assert recipe_engine_config(r, total_steps=50)["scheduler"]["params"]["warmup_num_steps"] == 5
+    with pytest.raises(ConfigError) as info:
+        recipe_engine_config(r, total_steps=40)
+    assert info.value.path == "train.warmup_steps" and "conflicts with engine.scheduler.params.warmup_num_steps 5" in str(
+        info.value), str(info.value)
+
+
 def test_explicit_engine_schedule_values_are_kept() -> None:
     engine = {"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 10, "warmup_num_steps": 3,
                                                                 "warmup_max_lr": 0.5, "last_batch_iteration": -1}}}

@@ -92,7 +92,8 @@ def fill_engine_schedule(scheduler: dict[str, Any], train: TrainSection, lr: Any
     warm_up_family = sched_type in SCHEDULE_TYPES.values()
     prefix = "engine.scheduler.params"
     warmup = warmup_steps(train, total, at_load)
-    warmup_explicit = train.warmup_ratio is not None or "warmup_steps" in train.model_fields_set
+    # a warmup_ratio is a number of steps only once the total is known (at load it may not be)
+    warmup_explicit = (train.warmup_ratio is not None and total is not None) or "warmup_steps" in train.model_fields_set
     recipe_warmup = warm_up_family and params.get("warmup_num_steps", "auto") == "auto"  # the recipe's to fill
     _fill(params, "warmup_num_steps", warmup, missing=warm_up_family, explicit=warmup_explicit,
           recipe_key="train.warmup_steps", engine_key=f"{prefix}.warmup_num_steps")
