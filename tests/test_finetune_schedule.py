@@ -168,8 +168,9 @@ def test_warmup_ratio_is_compared_with_the_engines_warmup_once_the_total_is_know
     assert recipe_engine_config(r, total_steps=50)["scheduler"]["params"]["warmup_num_steps"] == 5
     with pytest.raises(ConfigError) as info:
         recipe_engine_config(r, total_steps=40)
-    assert info.value.path == "train.warmup_steps" and "conflicts with engine.scheduler.params.warmup_num_steps 5" in str(
-        info.value), str(info.value)
+    text = str(info.value)
+    assert info.value.path == "train.warmup_steps"
+    assert "conflicts with engine.scheduler.params.warmup_num_steps 5" in text, text
 
 
 def test_explicit_engine_schedule_values_are_kept() -> None:
