@@ -81,8 +81,9 @@ def test_bad_neftune_settings_are_one_line_errors(tmp_path: Path, raw: dict, pat
     assert info.value.path == path and words in str(info.value), str(info.value)
 
 
-def test_a_short_neftune_run_trains(tmp_path: Path) -> None:
-    path = write_recipe(tmp_path, stage=0)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_short_neftune_run_trains(tmp_path: Path, stage: int) -> None:
+    path = write_recipe(tmp_path, stage=stage)
     recipe = json.loads(path.read_text())
     recipe["train"].update(neftune_noise_alpha=ALPHA, max_steps=20, eval_every=0)
     path.write_text(json.dumps(recipe))
