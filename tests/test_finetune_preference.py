@@ -114,15 +114,19 @@ def test_tokenized_pairs_mark_only_the_answer_tokens(llama_dir) -> None:
 # --- recipe checks -------------------------------------------------------------------------------
 
 
-def _pairs_file(path: Path, rows: int = 64) -> Path:
+def _pair_rows(rows: int) -> list[dict]:
     """Questions whose right answer is chosen and another color's answer rejected."""
     things = list(COLORS)
-    lines = []
+    out = []
     for i in range(rows):
         thing, other = things[i % len(things)], things[(i + 1) % len(things)]
-        lines.append(json.dumps({"prompt": f"what color is the {thing}", "chosen": f"the {thing} is {COLORS[thing]}",
-                                 "rejected": f"the {thing} is {COLORS[other]}"}))
-    path.write_text("\n".join(lines) + "\n")
+        out.append({"prompt": f"what color is the {thing}", "chosen": f"the {thing} is {COLORS[thing]}",
+                    "rejected": f"the {thing} is {COLORS[other]}"})
+    return out
+
+
+def _pairs_file(path: Path, rows: int = 64) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in _pair_rows(rows)))
     return path
 
 
@@ -164,8 +168,7 @@ CASES = [("dpo", "lora"), ("dpo", "full"), ("kto", "lora"), ("orpo", "full"), ("
 
 def _batches(llama: str, kind: str) -> list[dict]:
     tokenizer = load_tokenizer(Path(llama))
-    lines = _pairs_file(Path(llama).parent / f"pairs-{kind}.jsonl", ROWS).read_text().splitlines()
-    rows = datasets.Dataset.from_list([json.loads(line) for line in lines])
+    rows = datasets.Dataset.from_list(_pair_rows(ROWS))
     pairs = to_pairs(rows, ["p"])
     if kind == "kto":
         tokens = tokenize_unpaired(to_unpaired(rows, ["p"]), tokenizer, 32)

@@ -378,7 +378,9 @@ def test_engine_values_win_and_auto_takes_the_recipe_value():
     r = load_recipe(recipe(train={"warmup_steps": 7, "weight_decay": 0.02}, engine={**engine, "precision": "bf16"}))
     config = recipe_engine_config(r, dp_world_size=2)
     assert config["optimizer"] == {"type": "SGD", "params": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.02}}
-    assert config["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 7}}
+    # the recipe's warm-up is linear, and its schedule starts at iteration 1 so the first step does not train at lr 0
+    assert config["scheduler"] == {"type": "WarmupLR", "params": {"warmup_num_steps": 7, "warmup_type": "linear",
+                                                                  "last_batch_iteration": 1}}
     assert config["gradient_clipping"] == 2.0 and config["zero_optimization"] == {"stage": 1}
     assert config["bf16"] == {"enabled": True}
 

@@ -75,7 +75,9 @@ def _run_worker(recipe: str, output: str, resume: bool, overrides: list[str]) ->
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_finetune_tiny_bert_learns_and_saves_a_loadable_model(tmp_path: Path, stage: int) -> None:
-    recipe = write_recipe(tmp_path, stage)
+    # lr 6e-3 under the default linear decay: 3e-3 was tuned when a schedule without warm-up stayed flat (a bug;
+    # it now decays as documented, and 12 decaying steps at 3e-3 leave this tiny BERT at its starting accuracy)
+    recipe = write_recipe(tmp_path, stage, lr=6e-3)
     out = tmp_path / "run"
     summary = run_distributed(_run_worker, 2, str(recipe), str(out), False, [], timeout=240)[0]
     assert summary["zero_stage"] == stage and summary["steps"] == 12

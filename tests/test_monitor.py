@@ -274,3 +274,15 @@ def test_no_capture_handlers_leak_onto_the_zerotune_logger_between_tests():
     logger = get_logger()
     capture = [h for h in logger.handlers if type(h).__module__.startswith("_pytest")]
     assert len([h for h in capture if type(h).__name__ == "LogCaptureHandler"]) <= 2  # this phase's caplog + report
+
+
+def test_wandb_extra_is_declared_and_the_missing_package_error_names_it(monkeypatch):
+    from pathlib import Path
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"]
+    assert any(spec.startswith("wandb>=0.31") for spec in project["optional-dependencies"]["wandb"])
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    block = SimpleNamespace(enabled=True, team=None, group=None, project="p")
+    with pytest.raises(ImportError, match=r"pip install 'zerotune\[wandb\]'"):
+        ScalarWriters.from_config(None, None, block, rank=0)

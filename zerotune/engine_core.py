@@ -146,6 +146,10 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
 
     def _model_step(self, lr_kwargs: dict) -> None:
         grads = self.state.step_grads()
+        # The lr this step trains with, read before the scheduler moves on: the step report (console line,
+        # TensorBoard / CSV / W&B) shows it against this step (DeepSpeed logs get_lr() after the scheduler
+        # step, i.e. the next step's lr, which hides the warm-up's first value).
+        applied_lrs = self.get_lr()
         scale = self.loss_scaler.loss_scale
         scaled_norm = self.state.grad_norm(grads)
         # the global norm: every rank decides alike; bf16.check_grad_overflow false applies even a non-finite step
@@ -175,7 +179,7 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
         self.global_samples += self.train_batch_size()
         if self.compressor is not None:
             self._advance_compression(self.compressor, overflow, scale_before)
-        self._report(overflow)
+        self._report(overflow, applied_lrs[0] if applied_lrs else 0.0)
         self.zero_grad()
         for hook in self._post_step_hooks:
             hook(self)
@@ -232,13 +236,13 @@ class EngineCore(EngineQueries, StateOffloading, EngineCurriculum, torch.nn.Modu
                       rank=self.global_rank)
             compressor.stats = CompressionStats()
 
-    def _report(self, overflow: bool) -> None:
+    def _report(self, overflow: bool, lr: float) -> None:
+        """Record the finished step with ``lr``, the learning rate it trained with."""
         loss = None
         if self._window_loss is not None:
             loss = self._window_loss.item() / self.gradient_accumulation_steps()
             self._window_loss = None
-        lrs = self.get_lr()
-        self.reporter.record(step=self.global_steps, loss=loss, lr=lrs[0] if lrs else 0.0,
+        self.reporter.record(step=self.global_steps, loss=loss, lr=lr,
                              grad_norm=self._last_grad_norm, skipped=overflow,
                              loss_scale=self.loss_scaler.loss_scale if self.fp16_enabled() else None,
                              samples=self.train_batch_size())

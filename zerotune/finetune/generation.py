@@ -1,8 +1,9 @@
 """Answers from a finished fine-tuning run: load what ``zerotune finetune`` wrote and generate.
 
 A run directory holds ``merged/`` (LoRA runs saved with ``--merge``), ``model/`` (full and freeze tuning)
-or ``adapter/`` (LoRA / QLoRA / prefix: the base comes from the adapter's ``base_model_name_or_path``,
-loaded in 4 / 8 bits again for a QLoRA run, as it was trained). Prompts go through the tokenizer's chat
+or ``adapter/`` (LoRA / QLoRA / prefix: the base comes from the adapter's ``base_model_name_or_path``, the
+recipe's model name resolved as the recipe's was -- a bundled name, a hub id or a directory --, loaded in 4 / 8
+bits again for a QLoRA run, as it was trained). Prompts go through the tokenizer's chat
 template when it has one -- the way the run's chat and question/answer data were rendered -- else they
 are used as raw text.
 """
@@ -38,14 +39,19 @@ def load_trained(run_dir: str | Path) -> tuple[Any, Any]:
                               "point at the --output-dir of a finished zerotune finetune run")
     from peft import PeftModel
 
-    from zerotune.finetune.models import load_model
+    from zerotune.finetune.models import ModelLoadError, load_model, resolve_model_path
 
-    base_path = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
-    if not base_path or not Path(base_path).is_dir():
-        raise GenerationError(f"{adapter}: its base model {base_path!r} is not a directory here; the adapter needs "
-                              "the model it was trained on")
+    base_name = json.loads((adapter / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_name:
+        raise GenerationError(f"{adapter}: adapter_config.json names no base model (base_model_name_or_path); the "
+                              "adapter needs the model it was trained on")
+    try:  # a bundled name, a hub id (the hub's cache, offline when HF_HUB_OFFLINE is set) or a directory
+        base_path = resolve_model_path(base_name)
+    except ModelLoadError as error:
+        raise GenerationError(f"{adapter}: its base model {base_name!r} cannot be loaded here ({error}); the adapter "
+                              "needs the model it was trained on") from None
     bits = summary.get("quantize_bits") if summary.get("method") == "qlora" else None
-    base = load_model(Path(base_path), "causal-lm", quantize_bits=bits)
+    base = load_model(base_path, "causal-lm", quantize_bits=bits)
     return PeftModel.from_pretrained(base, adapter).eval(), AutoTokenizer.from_pretrained(adapter)
 
 

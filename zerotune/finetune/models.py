@@ -8,6 +8,7 @@ base weights are frozen (``requires_grad=False``), so the engine syncs and shard
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -250,12 +251,15 @@ def trainable_summary(model: torch.nn.Module) -> str:
 
 
 def save_model(model: Any, tokenizer: Any, output_dir: Path, *, merge: bool,
-               merged_dtype: torch.dtype | None = None) -> list[Path]:
+               merged_dtype: torch.dtype | None = None, base_name: str | None = None) -> list[Path]:
     """Write the model in Hugging Face format (safetensors); for adapters also the peft adapter, and with
     ``merge`` the adapter merged into its base, its floating tensors in ``merged_dtype`` (the run's training
     precision: a bf16 run's merged model is bf16, as its base was trained).
 
-    Call on rank 0 with whole parameters (``save_trained_model`` gathers them at ZeRO stage 3).
+    ``base_name`` -- the recipe's ``model.name_or_path`` (a bundled name, a hub id or the user's path) -- is the
+    adapter's ``base_model_name_or_path``, so the adapter loads on another machine; peft would write the
+    directory the base was loaded from, a local cache path. Call on rank 0 with whole parameters
+    (``save_trained_model`` gathers them at ZeRO stage 3).
     """
     written = []
     is_peft = hasattr(model, "peft_config")
@@ -263,6 +267,8 @@ def save_model(model: Any, tokenizer: Any, output_dir: Path, *, merge: bool,
         adapter_dir = output_dir / "adapter"
         trainable = {name: p.detach().clone().contiguous() for name, p in model.named_parameters() if p.requires_grad}
         model.save_pretrained(adapter_dir, safe_serialization=True, state_dict=trainable)
+        if base_name is not None:  # after saving: peft reads the base's config from the name while it saves
+            _name_base(adapter_dir, base_name)
         tokenizer.save_pretrained(adapter_dir)
         written.append(adapter_dir)
     if not is_peft or merge:
@@ -278,7 +284,8 @@ def save_model(model: Any, tokenizer: Any, output_dir: Path, *, merge: bool,
     return written
 
 
-def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: bool) -> list[Path]:
+def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: bool,
+                       base_name: str | None = None) -> list[Path]:
     """``save_model`` for any ZeRO stage; every rank calls it.
 
     At stage 3 a full fine-tune is streamed one unit at a time (``model.safetensors`` + config), an
@@ -289,7 +296,8 @@ def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: 
     units = engine.state.units
     dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float16 if engine.fp16_enabled() else None
     if not engine.state.partitions_weights:
-        return save_model(model, tokenizer, output_dir, merge=merge, merged_dtype=dtype) if rank == 0 else []
+        return save_model(model, tokenizer, output_dir, merge=merge, merged_dtype=dtype,
+                          base_name=base_name) if rank == 0 else []
     if not hasattr(model, "peft_config"):
         model_dir = output_dir / "model"
         save_consolidated(model, units, model_dir / "model.safetensors", rank=rank)
@@ -299,7 +307,16 @@ def save_trained_model(engine: Any, tokenizer: Any, output_dir: Path, *, merge: 
         return [model_dir]
     needed = [p for p in model.parameters() if merge or p.requires_grad]
     with GatheredParameters(needed):
-        return save_model(model, tokenizer, output_dir, merge=merge, merged_dtype=dtype) if rank == 0 else []
+        return save_model(model, tokenizer, output_dir, merge=merge, merged_dtype=dtype,
+                          base_name=base_name) if rank == 0 else []
+
+
+def _name_base(adapter_dir: Path, base_name: str) -> None:
+    """Write ``base_name`` as ``base_model_name_or_path`` into every adapter config peft wrote under ``adapter_dir``."""
+    for path in adapter_dir.rglob("adapter_config.json"):
+        config = json.loads(path.read_text())
+        config["base_model_name_or_path"] = base_name
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _detached_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -47,6 +47,12 @@ def _check_train(recipe: Recipe) -> None:
     if train.warmup_ratio is not None and "warmup_steps" in train.model_fields_set and train.warmup_steps:
         raise RecipeError("train.warmup_ratio",
                           "train.warmup_steps and train.warmup_ratio are both set; set at most one")
+    if "min_lr_ratio" in train.model_fields_set and train.lr_scheduler != "cosine":
+        raise RecipeError("train.min_lr_ratio", f"only used with train.lr_scheduler cosine (it is "
+                                                f"{train.lr_scheduler}); remove it or set lr_scheduler cosine")
+    if train.neftune_noise_alpha is not None and recipe.task != "causal-lm":
+        raise RecipeError("train.neftune_noise_alpha", f"NEFTune adds noise to a causal LM's input embeddings; "
+                                                       f"task is {recipe.task}: remove it or use task causal-lm")
 
 
 def _check_best(recipe: Recipe) -> None:

@@ -1,7 +1,7 @@
 """The engine config a recipe describes: step 6 of loading a recipe (``recipe.py``), and what the ranks run.
 
-The engine section wins where it sets a value, the recipe fills the rest (batch, AdamW, a
-linear-warmup schedule, clipping, the ``zero_stage`` / ``precision`` shortcuts), and a value set
+The engine section wins where it sets a value, the recipe fills the rest (batch, AdamW, the
+``train.lr_scheduler`` schedule, clipping, the ``zero_stage`` / ``precision`` shortcuts), and a value set
 differently in both places is an error naming both keys rather than a silent choice. Engine
 keys the job cannot honour (model-parallel layouts) are refused here too, at load time.
 """
@@ -24,6 +24,7 @@ from zerotune.config.schema import ZeroTuneConfig
 from zerotune.config.types import AUTO
 from zerotune.finetune.recipe_checks import RecipeError
 from zerotune.finetune.recipe_sections import Recipe
+from zerotune.finetune.schedules import fill_engine_schedule, left_to_recipe, recipe_schedule
 from zerotune.monitor.writers import check_writer_packages
 
 
@@ -33,9 +34,9 @@ def recipe_engine_config(recipe: Recipe, total_steps: int | None = None,
 
     The engine section (inline or ``config_path``) wins where it sets a value; the recipe
     fills the rest: the batch (``train.micro_batch_size``, ``gradient_accumulation_steps``),
-    AdamW with ``train.lr``/``weight_decay``, a linear-warmup schedule (WarmupDecayLR to 0 at
-    the last step when the step count is known -- ``train.max_steps`` or ``total_steps`` --
-    else WarmupLR), ``gradient_clipping``, and the ``zero_stage``/``precision`` shortcuts.
+    AdamW with ``train.lr``/``weight_decay``, the ``train.lr_scheduler`` schedule after a linear
+    warm-up (``schedules.py``; a decay needs the step count -- ``train.max_steps`` or ``total_steps``),
+    ``gradient_clipping``, and the ``zero_stage``/``precision`` shortcuts.
     "auto" engine values take the recipe's. A value the recipe sets explicitly and the engine
     sets differently is a RecipeError naming both. With ``dp_world_size`` the result is also
     resolved (batch triple, "auto"s) so every problem surfaces here, prefixed "engine.".
@@ -60,7 +61,7 @@ def _engine_base_config(recipe: Recipe) -> dict[str, Any]:
         raw = _plain_copy(engine.config)
     try:
         normalized = normalize_keys(raw, ZeroTuneConfig, "")
-        load_config(normalized)
+        load_config(left_to_recipe(normalized))
     except ConfigError as error:
         raise RecipeError.of(error, "engine", note) from None
     _refuse_model_parallelism(normalized, note)
@@ -220,37 +221,8 @@ def _check_method_fits_engine(recipe: Recipe, engine: Any) -> None:
 
 
 def _fill_scheduler(config: dict[str, Any], recipe: Recipe, lr: Any, total: int | None, at_load: bool) -> None:
-    """Linear warmup to ``lr`` then (with a known step count) linear decay to 0, as HF Trainer does."""
-    train = recipe.train
-    if train.warmup_ratio is None:
-        warmup = train.warmup_steps
-    elif total is not None:
-        warmup = round(train.warmup_ratio * total)
-    elif at_load:
-        warmup = 0  # the trainer passes total_steps once it knows the data size
+    """``train.lr_scheduler``'s schedule (``schedules.py``), or the recipe's values in the engine section's own."""
+    if config.get("scheduler") is None:
+        config["scheduler"] = recipe_schedule(recipe.train, lr, total, at_load)
     else:
-        raise RecipeError("train.warmup_ratio", "needs the total number of optimizer steps: set train.max_steps "
-                                                "(or pass total_steps to recipe_engine_config)")
-    warmup_explicit = train.warmup_ratio is not None or "warmup_steps" in train.model_fields_set
-    scheduler = config.get("scheduler")
-    if scheduler is None:
-        # Optimizer step k applies the schedule's iteration k (it starts at iteration 1): the first step
-        # trains at the warm-up's first non-zero lr, lr / warmup, not at 0 twice as a schedule started at
-        # -1 would; the decay ends one iteration after the last step, so no step runs at lr 0. Without
-        # warmup (or a 1-step one) the lr is flat: the schedule floors warmup_num_steps at 2.
-        params = {"warmup_min_lr": 0.0 if warmup > 1 else lr, "warmup_max_lr": lr, "warmup_num_steps": warmup,
-                  "warmup_type": "linear", "last_batch_iteration": 1}
-        if total is not None:
-            config["scheduler"] = {"type": "WarmupDecayLR", "params": {"total_num_steps": total + 1, **params}}
-        else:
-            config["scheduler"] = {"type": "WarmupLR", "params": params}
-        return
-    # The engine's own schedule: only its "auto" values are filled (an absent key may not be one of its arguments).
-    params = scheduler.setdefault("params", {})
-    prefix = "engine.scheduler.params"
-    _fill(params, "warmup_num_steps", warmup, recipe_key="train.warmup_steps", explicit=warmup_explicit,
-          engine_key=f"{prefix}.warmup_num_steps", add_missing=False)
-    _fill(params, "warmup_max_lr", lr, recipe_key="train.lr", explicit=False, engine_key="", add_missing=False)
-    if total is not None:
-        _fill(params, "total_num_steps", total, recipe_key="train.max_steps", explicit=train.max_steps is not None,
-              engine_key=f"{prefix}.total_num_steps", add_missing=False)
+        fill_engine_schedule(config["scheduler"], recipe.train, lr, total, at_load)

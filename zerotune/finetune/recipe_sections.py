@@ -180,6 +180,11 @@ class TrainSection(Section):
     """Optimizer steps of linear warmup from 0 to lr; at most one of warmup_steps and warmup_ratio."""
     warmup_ratio: Optional[Fraction] = None
     """Warmup as a fraction of the total optimizer steps; at most one of warmup_steps and warmup_ratio."""
+    lr_scheduler: Literal["linear", "cosine", "constant"] = "linear"
+    """The lr after the warmup (HF Trainer's lr_scheduler_type): linear decay toward 0, cosine decay toward
+    min_lr_ratio x lr, or constant; the engine section's own scheduler replaces it. No step trains at lr 0."""
+    min_lr_ratio: Fraction = 0.0
+    """lr_scheduler cosine: the floor of the decay as a fraction of lr."""
     weight_decay: NonNegFloat = 0.0
     """AdamW decoupled weight decay."""
     micro_batch_size: PosInt = 16
@@ -223,6 +228,9 @@ class TrainSection(Section):
     """Recompute each transformer block's activations in the backward pass instead of keeping them (Hugging Face's
     gradient_checkpointing_enable, non-reentrant): less activation memory for about one more forward; the same loss.
     """
+    neftune_noise_alpha: Optional[PosFloat] = None
+    """Causal LM: NEFTune -- add uniform noise scaled by alpha / sqrt(sequence length x hidden size) to the input
+    embeddings while training (not in evaluation); None turns it off. 5 is the paper's usual value."""
 
 
 OBJECTIVES = ("sft", "dpo", "orpo", "simpo", "kto", "reward")

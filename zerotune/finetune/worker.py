@@ -41,6 +41,7 @@ from zerotune.finetune.models import (
     save_trained_model,
     trainable_summary,
 )
+from zerotune.finetune.neftune import activate_neftune
 from zerotune.finetune.packing import (
     causal_lm_class,
     check_packing_support,
@@ -210,6 +211,10 @@ def run(args: argparse.Namespace) -> dict:
     model = apply_method(model, model_task, recipe.method)
     if recipe.train.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if recipe.train.neftune_noise_alpha is not None:
+        activate_neftune(model, recipe.train.neftune_noise_alpha)
+        log_rank0("NEFTune: noise alpha %g on the input embeddings while training", recipe.train.neftune_noise_alpha,
+                  rank=env.rank)
     log_rank0("model %s: %s", model_path.name, trainable_summary(model), rank=env.rank)
     counts = (sum(p.numel() for p in model.parameters() if p.requires_grad), sum(p.numel() for p in model.parameters()))
 
@@ -312,7 +317,7 @@ def run(args: argparse.Namespace) -> dict:
                "model": recipe.model.name_or_path, "zero_stage": engine.zero_optimization_stage(),
                "objective": objective_type,
                "quantize_bits": bits, **policy}
-    save_trained_model(engine, tokenizer, output, merge=args.merge)
+    save_trained_model(engine, tokenizer, output, merge=args.merge, base_name=recipe.model.name_or_path)
     if env.rank == 0:
         (output / "summary.json").write_text(json.dumps(summary, indent=2))
         print(f"{headline} on the held-out split: {summary['before']:.3f} before -> {summary['after']:.3f} after "

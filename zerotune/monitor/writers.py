@@ -109,7 +109,8 @@ def _import_wandb() -> Any:
         import wandb
     except ImportError as error:
         raise ImportError(
-            "wandb.enabled is true but the wandb package is not installed; pip install wandb or disable it"
+            "wandb.enabled is true but the wandb package is not installed; pip install wandb or disable it "
+            "(zerotune's extra: pip install 'zerotune[wandb]')"
         ) from error
     return wandb
 

@@ -62,7 +62,14 @@ def check_scheduler_section(sched_type: Any, params: Mapping[str, Any] | None) -
         if name not in ("self", "optimizer")
     }
     check_known_keys(params, signature, PARAMS_PATH)
-    for name, parameter in signature.items():
-        if parameter.default is inspect.Parameter.empty and name not in params:
-            raise ConfigError(f"{PARAMS_PATH}.{name}", f"required by {schedule_class.__name__} but missing")
+    missing = [name for name, parameter in signature.items()
+               if parameter.default is inspect.Parameter.empty and name not in params]
+    if missing:
+        wanted = ", ".join(f"{PARAMS_PATH}.{name} ({_MEANING.get(name, 'see the schedule')})" for name in missing)
+        raise ConfigError(f"{PARAMS_PATH}.{missing[0]}", f"required by {schedule_class.__name__} but missing; set "
+                                                         f"{wanted}")
     return schedule_class
+
+
+# What a schedule's required params mean, for the error that names a missing one.
+_MEANING = {"total_num_steps": "the number of optimizer steps the schedule spans, e.g. the run's total steps"}
