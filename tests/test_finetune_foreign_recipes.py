@@ -1,9 +1,4 @@
-"""LLaMA-Factory and axolotl training YAMLs run unchanged: translation, refusals, reports, --print-recipe.
-
-Tests marked ``needs_keys`` load recipes with keys that other branches add (``objective``,
-``data.template``, ``train.lr_scheduler``, ...); until those land they are skipped, and the
-translated dict is checked instead (``translate_foreign``).
-"""
+"""LLaMA-Factory and axolotl training YAMLs run unchanged: translation, refusals, reports, --print-recipe."""
 
 from __future__ import annotations
 
@@ -18,20 +13,8 @@ import yaml
 from zerotune.config import ConfigError
 from zerotune.finetune.foreign_recipes import detect_dialect, read_foreign
 from zerotune.finetune.recipe import load_recipe, recipe_to_dict
-from zerotune.finetune.recipe_sections import Recipe
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def _has(dotted: str) -> bool:
-    section, _, key = dotted.partition(".")
-    field = Recipe.model_fields.get(section)
-    return field is not None and (not key or key in field.annotation.model_fields)
-
-
-def needs_keys(*dotted: str):
-    missing = [key for key in dotted if not _has(key)]
-    return pytest.mark.skipif(bool(missing), reason=f"needs recipe keys from other branches: {', '.join(missing)}")
 
 
 # --- LLaMA-Factory ---------------------------------------------------------------------------------------
@@ -465,7 +448,6 @@ def test_print_recipe_round_trips_a_llamafactory_yaml(lf_dir: Path) -> None:
     assert recipe_to_dict(load_recipe(again)) == printed
 
 
-@needs_keys("data.template", "train.lr_scheduler")
 def test_print_recipe_round_trips_the_realistic_llamafactory_sft_yaml(lf_dir: Path) -> None:
     result = _cli(str(_write(lf_dir, LF_LORA_SFT)), "--print-recipe", cwd=lf_dir)
     assert result.returncode == 0, result.stderr
@@ -474,7 +456,6 @@ def test_print_recipe_round_trips_the_realistic_llamafactory_sft_yaml(lf_dir: Pa
     assert recipe_to_dict(load_recipe(again)) == yaml.safe_load(result.stdout)
 
 
-@needs_keys("objective.type", "data.template", "train.lr_scheduler")
 @pytest.mark.parametrize("which", ["llamafactory", "axolotl"])
 def test_print_recipe_round_trips_the_dpo_yamls(lf_dir: Path, axolotl_dir: Path, which: str) -> None:
     directory, text = (lf_dir, LF_DPO) if which == "llamafactory" else (axolotl_dir, AXOLOTL_DPO)
@@ -541,7 +522,6 @@ def test_did_you_mean_knows_other_tools_names(section: str | None, key: str, sug
         load_recipe(raw)
 
 
-@needs_keys("data.train_on_prompt")
 def test_did_you_mean_train_on_prompt() -> None:
     raw = json.loads(json.dumps(MINIMAL))
     raw["data"]["train_on_prompt"] = True
