@@ -123,3 +123,19 @@ def test_cli_plans_a_recipe_and_refuses_bad_ones_in_one_line(tiny: dict) -> None
         done = _cli(*args)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and key in lines[0], done.stderr
+
+
+def test_stage2_buckets_follow_overlap_comm() -> None:
+    """Without overlap_comm (stage 2's default) the engine reuses one reduce bucket; with it, up to three are held
+    (one filling, two in flight). The default follows the planned stage, also under --zero-stage."""
+    from zerotune.plan.memory import layout_from_config, plan_from_profile, profile_model
+    from zerotune.plan.meta_model import meta_model
+
+    base = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "reduce_bucket_size": 1000}}
+    assert layout_from_config(base, 2).overlap_comm is None
+    assert layout_from_config({**base, "zero_optimization": {"stage": 3}}, 2).overlap_comm is None  # not given
+    overlapped = {**base, "zero_optimization": {**base["zero_optimization"], "overlap_comm": True}}
+    profile = profile_model(meta_model("tests.models:make_gpt2"), 8, "fp32")
+    buckets = [next(row.bytes for row in plan_from_profile(profile, layout_from_config(config, 2)).rows
+                    if row.name == "communication buckets") for config in (base, overlapped)]
+    assert buckets == [4 * 1000, 3 * 4 * 1000]
