@@ -119,7 +119,8 @@ def test_cli_plans_a_recipe_and_refuses_bad_ones_in_one_line(tiny: dict) -> None
     assert f"{LORA_PARAMS:,} trainable parameters, {tiny['base']:,} frozen" in done.stdout
     assert "micro-batch 2 x 32 tokens" in done.stdout and "planned at the worst case" in done.stdout
     for args, key in (([path, "--set", "method.type=lorra"], "method.type"), ([path, "--model", "gpt2"], "--model"),
-                      ([path, "--task", "causal-lm"], "--task"), ([path, "--auto"], "--auto")):
+                      ([path, "--task", "causal-lm"], "--task"), ([path, "--auto"], "--auto"),
+                      (["smollm2-lorra"], "not a recipe")):
         done = _cli(*args)
         lines = done.stderr.strip().splitlines()
         assert done.returncode == 2 and len(lines) == 1 and key in lines[0], done.stderr

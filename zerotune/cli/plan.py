@@ -126,8 +126,11 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         for option, value in (("--model", args.model), ("--world-size", args.world_size)):
             if value is None:
-                raise ConfigError(option, "is required with a DeepSpeed config (a recipe names its own model and "
-                                          "world size)")
+                from zerotune.finetune.recipe import BUNDLED_RECIPES
+
+                raise ConfigError(option, f"is required with a DeepSpeed config; {args.config!r} is not a recipe (a "
+                                          "YAML/JSON file with model: and task: sections, or a bundled recipe: "
+                                          f"{', '.join(BUNDLED_RECIPES)}), which would name its own")
         if args.overrides:
             raise ConfigError("--set", "overrides recipe keys; the config is not a recipe (no model: and task: "
                                        "sections)")
