@@ -36,18 +36,24 @@ def parse_size(text: str, option: str) -> int:
 def add_plan_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("plan", help="per-rank memory of a config and model, before launch",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("config", help="DeepSpeed-style JSON/YAML config")
-    parser.add_argument("--model", required=True, help="Hugging Face id (cached), directory or config.json, or "
-                                                       "module:factory")
-    parser.add_argument("--world-size", type=int, required=True,
+    parser.add_argument("config", help="DeepSpeed-style JSON/YAML config, or a zerotune finetune recipe (a file with "
+                                       "model: and task: sections, or a bundled name: default, smollm2-lora, "
+                                       "smollm2-dpo) to plan the recipe's own job")
+    parser.add_argument("--model", default=None, help="Hugging Face id (cached), directory or config.json, or "
+                                                      "module:factory (a recipe names its own model)")
+    parser.add_argument("--world-size", type=int, default=None,
                         help="ranks in all (data parallel x the config's tensor-parallel size x pipeline stages x "
-                             "sequence-parallel size)")
+                             "sequence-parallel size); a recipe's default: launch.nproc_per_node x launch.nnodes")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a recipe key, as zerotune finetune --set (recipes only; repeatable)")
     parser.add_argument("--nodes", type=int, default=1,
                         help="nodes the ranks are spread over (host memory is per node)")
     parser.add_argument("--device-memory", default="80GiB", help="memory of one accelerator (default 80GiB)")
     parser.add_argument("--host-memory", default=None, help="host memory of one node, for offload")
-    parser.add_argument("--seq-len", type=int, default=2048, help="tokens per example (default 2048)")
-    parser.add_argument("--task", choices=("causal-lm", "sequence-classification"), default="causal-lm")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help="tokens per example (default 2048; a recipe's default: data.max_length)")
+    parser.add_argument("--task", choices=("causal-lm", "sequence-classification"), default=None,
+                        help="the model's head (default causal-lm; a recipe's task and objective decide it)")
     parser.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None,
                         help="plan this ZeRO stage instead of the config's zero_optimization.stage")
     parser.add_argument("--auto", action="store_true",
@@ -101,19 +107,35 @@ def _gib(value: int) -> str:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout, step_seconds
+    from zerotune.plan.auto import Hardware, NoLayoutFits, choose_layout
     from zerotune.plan.memory import (
         asks_for_auto_stage,
         check_composes,
         layout_from_config,
         plan_from_profile,
         profile_model,
-        stage_profiles,
     )
     from zerotune.plan.meta_model import PlanModelError, meta_model
+    from zerotune.plan.recipe_job import is_recipe
     from zerotune.plan.splits import split_profiles
 
+    if is_recipe(args.config):
+        from zerotune.cli.plan_recipe import run_recipe_plan
+
+        return run_recipe_plan(args)
     try:
+        for option, value in (("--model", args.model), ("--world-size", args.world_size)):
+            if value is None:
+                from zerotune.finetune.recipe import BUNDLED_RECIPES
+
+                raise ConfigError(option, f"is required with a DeepSpeed config; {args.config!r} is not a recipe (a "
+                                          "YAML/JSON file with model: and task: sections, or a bundled recipe: "
+                                          f"{', '.join(BUNDLED_RECIPES)}), which would name its own")
+        if args.overrides:
+            raise ConfigError("--set", "overrides recipe keys; the config is not a recipe (no model: and task: "
+                                       "sections)")
+        args.seq_len = 2048 if args.seq_len is None else args.seq_len
+        args.task = args.task or "causal-lm"
         if args.world_size < 1 or args.nodes < 1 or args.world_size % args.nodes:
             raise ConfigError("--world-size",
                               f"{args.world_size} ranks cannot be spread evenly over {args.nodes} nodes")
@@ -151,12 +173,23 @@ def run_plan(args: argparse.Namespace) -> int:
     except (ConfigError, PlanModelError, NoLayoutFits) as error:
         print(f"zerotune plan: {error}", file=sys.stderr)
         return 2
-    plan = plan_from_profile(profile, layout)
+    return print_plan(plan_from_profile(profile, layout), profile, layout, model_name, args.world_size, args.nodes,
+                      args.seq_len, hardware, checkpointing_chosen)
+
+
+def print_plan(plan: Any, profile: Any, layout: Any, model_name: str, world_size: int, nodes: int, seq_len: int,
+               hardware: Any, checkpointing_chosen: bool | None = None) -> int:
+    """Print one rank's plan (rows, the device verdicts, host / NVMe totals, modeled step time); the exit
+    status: 0 when it fits (with checkpointing, unless that was chosen), else 1."""
+    from zerotune.plan.auto import step_seconds
+    from zerotune.plan.memory import stage_profiles
+
+    device, host = hardware.device_memory, hardware.host_memory
     where = f", pipeline stage {plan.stage} (the fullest)" if plan.stage is not None else ""
     print(f"{model_name}: {plan.trainable + plan.frozen:,} parameters ({plan.trainable:,} trainable){where}; "
-          f"ZeRO {layout.stage}, {layout.precision}, {args.world_size} ranks (dp {layout.dp} x tp {layout.tp} x pp "
+          f"ZeRO {layout.stage}, {layout.precision}, {world_size} ranks (dp {layout.dp} x tp {layout.tp} x pp "
           f"{layout.pp}" + (f" x sp {layout.sp}" if layout.sp > 1 else "") + f"), micro-batch {layout.micro_batch} x "
-          f"{args.seq_len} tokens; offload_optimizer "
+          f"{seq_len} tokens; offload_optimizer "
           f"{layout.offload_optimizer}, offload_param {layout.offload_param}")
     width = max(len(row.name) for row in plan.rows)
     for row in plan.rows:
@@ -170,12 +203,12 @@ def run_plan(args: argparse.Namespace) -> int:
         print(f"  device total {label}: {_gib(total)} of {_gib(device)}: {verdict}")
         fits = fits_here if checkpointing or checkpointing_chosen is not None else fits
     if host is not None:
-        per_node = plan.total("host") * (args.world_size // args.nodes)
+        per_node = plan.total("host") * (world_size // nodes)
         print(f"  host memory per node for offload: {_gib(per_node)} of {_gib(host)}: "
               f"{'fits' if per_node <= host else 'does NOT fit'}")
         fits = fits and per_node <= host
     if plan.total("nvme"):
-        print(f"  NVMe space per node: {_gib(plan.total('nvme') * (args.world_size // args.nodes))}")
+        print(f"  NVMe space per node: {_gib(plan.total('nvme') * (world_size // nodes))}")
     for checkpointing in (False, True) if checkpointing_chosen is None else (checkpointing_chosen,):
         seconds, comm, _ = max(step_seconds(layout, held, layout.gas, checkpointing, hardware)
                                for held in stage_profiles(profile, layout))  # a pipeline's slowest stage

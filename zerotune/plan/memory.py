@@ -42,6 +42,10 @@ class Layout:
     reduce_bucket: int = int(5e8)
     allgather_bucket: int = int(5e8)
     prefetch_bucket: int = int(5e7)
+    overlap_comm: bool | None = True
+    """Stage 2 keeps up to two reduce buckets in flight (IN_FLIGHT_BUCKETS held) only with overlap_comm; without,
+    one bucket is reused. None: the engine's default for the stage (on at stage 3 only), what a config that does
+    not set it gets -- so ``--zero-stage`` overriding the stage also moves the default."""
 
     @property
     def zero_group(self) -> int:
@@ -84,7 +88,16 @@ def layout_from_config(source: Any, world_size: int) -> Layout:
                   offload_optimizer=zero.offload_optimizer.device, offload_param=zero.offload_param.device,
                   reduce_bucket=number(zero.reduce_bucket_size, int(5e8)),
                   allgather_bucket=number(zero.allgather_bucket_size, int(5e8)),
-                  prefetch_bucket=number(zero.stage3_prefetch_bucket_size, int(5e7)))
+                  prefetch_bucket=number(zero.stage3_prefetch_bucket_size, int(5e7)),
+                  overlap_comm=_given_overlap(source))
+
+
+def _given_overlap(source: Any) -> bool | None:
+    """The config's own ``zero_optimization.overlap_comm`` (None when unset or "auto": the stage's default)."""
+    config = load_config(source)
+    value = config.zero_optimization.overlap_comm
+    given = config.provenance.get("zero_optimization.overlap_comm") == "file"  # else the loaded stage's default
+    return value if given and isinstance(value, bool) else None
 
 
 def check_composes(layout: Layout) -> None:
@@ -257,7 +270,8 @@ def _bucket_bytes(layout: Layout, params: int, trainable: int, width: int) -> in
         per_owner = -(-trainable // layout.zero_group)
         bucket = min(layout.reduce_bucket, per_owner)
         count = layout.zero_group * -(-per_owner // bucket)
-        return min(IN_FLIGHT_BUCKETS, count) * width * bucket
+        overlap = layout.overlap_comm if layout.overlap_comm is not None else False  # stage 2's default: off
+        return min(IN_FLIGHT_BUCKETS if overlap else 1, count) * width * bucket
     if layout.stage == 3:
         return width * (min(layout.prefetch_bucket, params) + min(layout.reduce_bucket, trainable))
     return 0
