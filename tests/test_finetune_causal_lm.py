@@ -121,11 +121,11 @@ def test_answer_only_loss_masks_the_prompt(tmp_path: Path) -> None:
     from zerotune.finetune.data import load_causal_lm_data
     from zerotune.finetune.tokenization import IGNORE_INDEX, tokenize_causal_lm
     from zerotune.finetune.recipe import load_recipe
-    from zerotune.finetune.worker import _data_spec
+    from zerotune.finetune.task_data import data_spec
 
     recipe = load_recipe(str(write_recipe(tmp_path)))
     tokenizer = AutoTokenizer.from_pretrained(recipe.model.name_or_path)
-    train, _ = load_causal_lm_data(_data_spec(recipe), prompt_column="question", response_column="answer")
+    train, _ = load_causal_lm_data(data_spec(recipe), prompt_column="question", response_column="answer")
     row = tokenize_causal_lm(train, tokenizer, 32)[0]
     answer = [i for i, label in zip(row["input_ids"], row["labels"]) if label != IGNORE_INDEX]
     assert tokenizer.convert_ids_to_tokens(answer) == train[0]["response"].split() + ["<|im_end|>"]
@@ -135,7 +135,7 @@ def test_answer_only_loss_masks_the_prompt(tmp_path: Path) -> None:
 def test_unknown_prompt_column_is_one_clear_error(tmp_path: Path) -> None:
     from zerotune.finetune.data import DataError
     from zerotune.finetune.recipe import load_recipe
-    from zerotune.finetune.worker import check_recipe_inputs
+    from zerotune.finetune.task_data import check_recipe_inputs
 
     recipe = load_recipe(str(write_recipe(tmp_path)), ["data.prompt_column=questoin"])
     with pytest.raises(DataError, match="prompt column 'questoin' not found.*did you mean 'question'"):

@@ -208,7 +208,7 @@ def _recipe(tmp_path: Path, data: dict, task: str = "causal-lm", model: str = "x
 
 
 def test_recipe_defaults_keep_todays_behaviour_except_eos_on_text(tmp_path) -> None:
-    from zerotune.finetune.worker import loss_policy
+    from zerotune.finetune.task_data import loss_policy
 
     recipe = load_recipe(_recipe(tmp_path, {}))
     assert recipe.data.template == "auto" and loss_policy(recipe) == LossPolicy(add_eos=True)
@@ -257,7 +257,7 @@ def test_chat_keys_are_causal_lm_only(tmp_path, key, value) -> None:
 
 def test_template_none_on_detected_chat_messages_fails_before_any_rank_naming_data_template(tmp_path) -> None:
     from tests.test_finetune_causal_lm import make_tiny_llama
-    from zerotune.finetune.worker import check_recipe_inputs
+    from zerotune.finetune.task_data import check_recipe_inputs
 
     model = make_tiny_llama(tmp_path / "llama")
     rows = "".join(json.dumps({"messages": SKY}) + "\n" for _ in range(10))

@@ -122,10 +122,10 @@ def test_bundled_default_improves_accuracy_within_five_minutes(tmp_path: Path) -
     from zerotune.finetune.data import load_classification_data
     from zerotune.finetune.tokenization import make_collator, tokenize_classification
     from zerotune.finetune.recipe import load_recipe
-    from zerotune.finetune.worker import _data_spec
+    from zerotune.finetune.task_data import data_spec
 
     recipe = load_recipe(None)
-    _, held_out, _ = load_classification_data(_data_spec(recipe))
+    _, held_out, _ = load_classification_data(data_spec(recipe))
     tokenizer = AutoTokenizer.from_pretrained(out / "model")
     model = AutoModelForSequenceClassification.from_pretrained(out / "model").eval()
     loader = torch.utils.data.DataLoader(tokenize_classification(held_out, tokenizer, recipe.data.max_length),

@@ -82,7 +82,8 @@ def run_finetune(args: argparse.Namespace) -> int:
 
             run_preview(recipe, args.preview)
             return 0
-        from zerotune.finetune.worker import check_merge, check_recipe_inputs
+        from zerotune.finetune.task_data import check_recipe_inputs
+        from zerotune.finetune.worker import check_merge
 
         check_merge(recipe, args.merge)
         check_recipe_inputs(recipe)

@@ -16,7 +16,7 @@ from zerotune.config.errors import ConfigError
 
 
 def run_recipe_plan(args: argparse.Namespace) -> int:
-    from zerotune.cli.plan import _number, parse_size, print_plan
+    from zerotune.cli.plan_output import parse_number, parse_size, print_plan
     from zerotune.plan.auto import Hardware
     from zerotune.plan.meta_model import PlanModelError
     from zerotune.plan.recipe_job import plan_job, recipe_job
@@ -35,7 +35,8 @@ def run_recipe_plan(args: argparse.Namespace) -> int:
         if args.nodes < 1 or job.world_size % args.nodes:
             raise ConfigError("--nodes", f"{job.world_size} ranks cannot be spread evenly over {args.nodes} nodes")
         hardware = Hardware(device_memory=parse_size(args.device_memory, "--device-memory"),
-                            flops=_number(args.flops, "--flops"), bandwidth=parse_size(args.bandwidth, "--bandwidth"),
+                            flops=parse_number(args.flops, "--flops"),
+                            bandwidth=parse_size(args.bandwidth, "--bandwidth"),
                             intra_node_bandwidth=parse_size(args.intra_node_bandwidth, "--intra-node-bandwidth"),
                             host_bandwidth=parse_size(args.host_bandwidth, "--host-bandwidth"),
                             host_memory=parse_size(args.host_memory, "--host-memory") if args.host_memory else None,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zerotune.finetune.foreign_recipes import (
+from zerotune.finetune.foreign_keys import (
     AXOLOTL_CHAT_TEMPLATES,
     ForeignKeys,
     NoEffect,

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from zerotune.finetune.foreign_recipes import (
+from zerotune.finetune.foreign_keys import (
     LLAMAFACTORY_TEMPLATES,
     ForeignKeys,
     NoEffect,

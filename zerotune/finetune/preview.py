@@ -89,14 +89,14 @@ def print_preview(rows: Any, tokenizer: Any, *, template: str, stream: TextIO | 
 def run_preview(recipe: Any, count: int, stream: TextIO | None = None) -> None:
     """Tokenize the recipe's first ``count`` training examples as training would and print them."""
     from zerotune.finetune.recipe_checks import RecipeError
-    from zerotune.finetune.worker import _load_causal_lm, loss_policy, prepare_causal_lm_tokenizer
+    from zerotune.finetune.task_data import load_causal_lm, loss_policy, prepare_causal_lm_tokenizer
 
     if recipe.task != "causal-lm":
         raise RecipeError("--preview", f"shows chat-formatted causal-LM examples; task is {recipe.task!r}")
     if count < 1:
         raise RecipeError("--preview", f"{count} examples; give a number >= 1 (default {DEFAULT_COUNT})")
     tokenizer = preview_tokenizer(recipe)
-    train_set, _ = _load_causal_lm(recipe)
+    train_set, _ = load_causal_lm(recipe)
     prepare_causal_lm_tokenizer(recipe, tokenizer, train_set)
     rows = tokenize_causal_lm(train_set.select(range(min(count, len(train_set)))), tokenizer,
                               recipe.data.max_length, loss_policy(recipe))
