@@ -15,8 +15,9 @@ from zerotune.finetune.foreign_keys import (
     NoEffect,
     Translation,
     optimizer_of,
-    precision_of,
     scheduler_of,
+    take_engine,
+    take_model,
     target_modules_of,
 )
 
@@ -53,21 +54,12 @@ _NO_EFFECT: dict[str, NoEffect] = {
 def translate(keys: ForeignKeys) -> Translation:
     recipe: dict[str, Any] = {"task": "causal-lm"}
     keys.empty_keys()  # a null key is the other tool's default: one line for all of them
-    model = keys.take("base_model")
-    keys.put(recipe, "model.name_or_path", keys.local_path(model, "base_model", must_exist=False)
-             if isinstance(model, str) else model, "base_model")
-    trust = keys.take("trust_remote_code")
-    if trust is not None:
-        keys.put(recipe, "model.trust_remote_code", trust, "trust_remote_code")
+    take_model(keys, recipe, "base_model")
     objective = _objective(keys, recipe)
     _method(keys, recipe)
     _data(keys, recipe, objective)
     _train(keys, recipe)
-    precision = precision_of(keys)
-    if precision:
-        keys.put(recipe, "engine.precision", precision, "bf16" if precision == "bf16" else "fp16")
-    if keys.given("deepspeed"):
-        keys.put(recipe, "engine.config_path", keys.local_path(keys.take("deepspeed"), "deepspeed"), "deepspeed")
+    take_engine(keys, recipe)
     for key in ("fsdp", "fsdp_config", "resume_from_checkpoint", "lora_model_dir", "wandb_project"):
         if keys.given(key) and keys.raw[key] not in ([], {}, ""):
             why = {"resume_from_checkpoint": "use zerotune finetune --resume",

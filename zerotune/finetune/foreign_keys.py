@@ -182,3 +182,22 @@ def target_modules_of(value: Any, keys: ForeignKeys, key: str) -> Any:
     if isinstance(value, list) and all(isinstance(name, str) for name in value):
         return list(value)
     raise keys.error(key, "expected module names (a list or a comma-separated string) or all")
+
+
+def take_model(keys: ForeignKeys, recipe: dict[str, Any], key: str) -> None:
+    """The model the YAML names under ``key`` (a local path resolved, a hub id kept), and trust_remote_code."""
+    model = keys.take(key)
+    keys.put(recipe, "model.name_or_path", keys.local_path(model, key, must_exist=False)
+             if isinstance(model, str) else model, key)
+    trust = keys.take("trust_remote_code")
+    if trust is not None:
+        keys.put(recipe, "model.trust_remote_code", trust, "trust_remote_code")
+
+
+def take_engine(keys: ForeignKeys, recipe: dict[str, Any]) -> None:
+    """The training precision (bf16 / fp16 flags) and a ``deepspeed:`` config file, as the engine section."""
+    precision = precision_of(keys)
+    if precision:
+        keys.put(recipe, "engine.precision", precision, "bf16" if precision == "bf16" else "fp16")
+    if keys.given("deepspeed"):
+        keys.put(recipe, "engine.config_path", keys.local_path(keys.take("deepspeed"), "deepspeed"), "deepspeed")

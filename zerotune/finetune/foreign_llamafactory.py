@@ -18,8 +18,9 @@ from zerotune.finetune.foreign_keys import (
     NoEffect,
     Translation,
     optimizer_of,
-    precision_of,
     scheduler_of,
+    take_engine,
+    take_model,
     target_modules_of,
 )
 
@@ -52,21 +53,12 @@ _NO_EFFECT: dict[str, NoEffect] = {
 def translate(keys: ForeignKeys) -> Translation:
     recipe: dict[str, Any] = {"task": "causal-lm"}
     keys.empty_keys()  # a null key is the other tool's default: one line for all of them
-    model = keys.take("model_name_or_path")
-    keys.put(recipe, "model.name_or_path", keys.local_path(model, "model_name_or_path", must_exist=False)
-             if isinstance(model, str) else model, "model_name_or_path")
-    trust = keys.take("trust_remote_code")
-    if trust is not None:
-        keys.put(recipe, "model.trust_remote_code", trust, "trust_remote_code")
+    take_model(keys, recipe, "model_name_or_path")
     objective = _objective(keys, recipe)
     _method(keys, recipe)
     _data(keys, recipe, objective)
     _train(keys, recipe)
-    precision = precision_of(keys)
-    if precision:
-        keys.put(recipe, "engine.precision", precision, "bf16" if precision == "bf16" else "fp16")
-    if keys.given("deepspeed"):
-        keys.put(recipe, "engine.config_path", keys.local_path(keys.take("deepspeed"), "deepspeed"), "deepspeed")
+    take_engine(keys, recipe)
     output_dir = keys.take("output_dir")
     keys.no_effect(_NO_EFFECT)
     return Translation("llamafactory", recipe, output_dir=output_dir)
