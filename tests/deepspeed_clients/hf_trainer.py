@@ -65,3 +65,6 @@ print(json.dumps({"rank": rank, "losses": losses, "deepspeed": trainer.is_deepsp
                   "engine": type(trainer.model_wrapped).__module__ + "." + type(trainer.model_wrapped).__name__,
                   "saved": sorted(os.listdir(final)) if os.path.isdir(final) else [],
                   "checkpoints": sorted(d for d in os.listdir(args.out) if d.startswith("checkpoint"))}))
+if torch.distributed.is_initialized():  # leave the process group as a well-behaved DDP script does: a gloo group
+    torch.distributed.barrier()         # still alive at interpreter exit can abort the process (SIGABRT)
+    torch.distributed.destroy_process_group()
