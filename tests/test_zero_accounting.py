@@ -22,12 +22,18 @@ REDUCE_BUCKET, ALLGATHER_BUCKET, PREFETCH = 2**18, 2**18, 2**21  # elements
 
 
 def _live_storages() -> dict[int, int]:
+    """Every real tensor storage alive in this process. Meta tensors and fake / functional tensors (left in a pooled
+    worker by an earlier test that traced a model) hold no memory and have no data pointer: not storages to count."""
     gc.collect()
     storages = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type != "meta":
             storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                pointer = storage.data_ptr()
+            except RuntimeError:  # "Cannot access data pointer of Tensor (e.g. FakeTensor, FunctionalTensor)"
+                continue
+            storages[pointer] = storage.nbytes()
     return storages
 
 
